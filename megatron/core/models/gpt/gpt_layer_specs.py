@@ -1,0 +1,158 @@
+"""Layer specs of a GPT model: which classes build each part of a transformer layer.
+
+This fork implements the MLP / MoE stack only. The layer specs here therefore fill the MLP with
+real modules and every other part (norms, attention, bias-dropout-add) with identity
+placeholders; code that reads ``spec.mlp`` works as upstream.
+
+Modules that are not always importable (the MLP, MoE and Transformer Engine classes) are imported
+inside the functions, so importing this module never fails.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+@dataclass
+class TransformerLayerSubmodules:
+    """The parts of a transformer layer, each a class, function or ``ModuleSpec``.
+
+    Field names follow upstream's ``TransformerLayerSubmodules``. Only ``mlp`` is built from real
+    modules in this fork; the other parts default to identity placeholders.
+    """
+
+    input_layernorm: Union[ModuleSpec, type] = IdentityOp
+    self_attention: Union[ModuleSpec, type] = IdentityOp
+    self_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_cross_attn_layernorm: Union[ModuleSpec, type] = IdentityOp
+    cross_attention: Union[ModuleSpec, type] = IdentityOp
+    cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
+    sharded_state_dict_keys_map: dict = field(default_factory=dict)
+
+
+def _refuse(name: str, value, supported) -> None:
+    if value != supported:
+        raise ValueError(
+            f"{name}={value!r} is not supported: this fork builds the MLP part of a layer only. "
+            f"Leave it at {supported!r}."
+        )
+
+
+def get_mlp_module_spec(
+    use_te: Optional[bool] = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    moe_use_legacy_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+) -> ModuleSpec:
+    """Returns the spec of a dense MLP or of an MoE layer.
+
+    Args:
+        use_te: Use Transformer Engine linears (``TELayerNormColumnParallelLinear`` /
+            ``TERowParallelLinear``) instead of ``ColumnParallelLinear`` / ``RowParallelLinear``.
+        num_experts: None for a dense MLP; the expert count for an MoE layer.
+        moe_grouped_gemm: Run the experts as a grouped GEMM (MoE only).
+        fp8: Deprecated and ignored (FP8 is configured through the config).
+        moe_use_legacy_grouped_gemm: Deprecated upstream; must be False.
+        use_te_op_fuser: Build ``TEFusedMLP`` (Transformer Engine fusible ops) for a dense MLP.
+
+    Returns:
+        ``ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=..., linear_fc2=...))`` for
+        a dense MLP (``TEFusedMLP`` with ``use_te_op_fuser``), or the MoE layer spec.
+    """
+    if fp8 is not None:
+        warnings.warn("get_mlp_module_spec: the fp8 argument is deprecated and ignored.")
+    _refuse("moe_use_legacy_grouped_gemm", moe_use_legacy_grouped_gemm, False)
+
+    if num_experts is not None:
+        try:
+            from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        except ModuleNotFoundError as error:
+            raise NotImplementedError(
+                "MoE layer specs (megatron.core.models.gpt.moe_module_specs) are not available in "
+                "this build; pass num_experts=None for a dense MLP."
+            ) from error
+        return get_moe_module_spec(
+            use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm
+        )
+
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    if not use_te:
+        if use_te_op_fuser:
+            raise ValueError("use_te_op_fuser=True needs use_te=True (TEFusedMLP is a TE module).")
+        return ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
+
+    from megatron.core.extensions.transformer_engine import (
+        TEFusedMLP,
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
+
+    return ModuleSpec(
+        module=TEFusedMLP if use_te_op_fuser else MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear
+        ),
+    )
+
+
+def get_gpt_layer_local_submodules(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    enable_hyper_connection: bool = False,
+) -> TransformerLayerSubmodules:
+    """Returns the parts of a GPT layer built from megatron.core modules only (no TE).
+
+    The MLP is ``ModuleSpec(module=MLP, submodules=MLPSubmodules(ColumnParallelLinear,
+    RowParallelLinear))``, or the MoE spec when ``num_experts`` is set. The attention and norm
+    options configure parts this fork does not build: they must keep their defaults (except
+    ``normalization``, which only names the norm class of those parts and is accepted).
+
+    Args:
+        num_experts: None for a dense MLP; the expert count for an MoE layer.
+        moe_grouped_gemm: Run the experts as a grouped GEMM (MoE only).
+        qk_layernorm: Not supported; must be False.
+        multi_latent_attention: Not supported; must be False.
+        fp8: Deprecated and ignored.
+        normalization: Name of the norm ("LayerNorm" / "RMSNorm"); the norms are placeholders.
+        qk_l2_norm: Not supported; must be False.
+        use_kitchen: Not supported; must be False.
+        use_kitchen_attention: Not supported; must be False.
+        kitchen_attention_backend: Ignored (kitchen attention is not supported).
+        enable_hyper_connection: Not supported; must be False.
+    """
+    _refuse("qk_layernorm", qk_layernorm, False)
+    _refuse("multi_latent_attention", multi_latent_attention, False)
+    _refuse("qk_l2_norm", qk_l2_norm, False)
+    _refuse("use_kitchen", use_kitchen, False)
+    _refuse("use_kitchen_attention", use_kitchen_attention, False)
+    _refuse("enable_hyper_connection", enable_hyper_connection, False)
+    if normalization not in (None, "LayerNorm", "RMSNorm"):
+        raise ValueError(f"normalization={normalization!r}: use 'LayerNorm' or 'RMSNorm'.")
+
+    mlp = get_mlp_module_spec(
+        use_te=False, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, fp8=fp8
+    )
+    return TransformerLayerSubmodules(mlp=mlp)

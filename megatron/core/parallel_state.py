@@ -1,0 +1,741 @@
+"""Model-parallel process groups: who shares which tensors with whom.
+
+``initialize_model_parallel`` splits the world of ``torch.distributed`` twice:
+
+- the **dense** layout ``tp x cp x dp x pp`` (tensor, context, data and pipeline parallelism), used
+  by every non-expert layer;
+- the **expert** layout ``etp x ep x edp x pp`` (expert-tensor, expert-model and expert-data
+  parallelism), used by MoE experts.
+
+Both layouts enumerate ranks in the same ``order`` (default ``"tp-cp-ep-dp-pp"``, the first
+dimension varying fastest), so consecutive ranks share a tensor-parallel group and the pipeline
+stages are the outermost dimension of both layouts. The groups are created with
+``torch.distributed.new_group`` on the default group's backend, so the same code runs with gloo on
+CPU and NCCL on GPU.
+
+Getters return this rank's group or its size / rank in it. ``set_*`` overrides fix a size or rank
+without any group, for code that must run outside a distributed job (tests, conversion tools).
+Without ``torch.distributed`` the size and rank getters report a single rank (size 1, rank 0);
+with it, they require ``initialize_model_parallel`` (or an override) first.
+
+This fork implements the MLP / MoE stack: embedding groups, hierarchical or hybrid context
+parallelism, GTP rematerialization and distributed-optimizer instances are not built, and the
+options that request them are refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+_LAYOUT_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+
+# This rank's groups and their global ranks, keyed by the names below. An empty dict means "not
+# initialized". Keys:
+#   dense layout:  tp, cp, dp, dp-cp, pp, mp (tp-pp), tp-cp, tp-dp, tp-dp-cp
+#   expert layout: ep, expt-tp, expt-dp, tp-ep (expert tp x ep), tp-ep-pp
+_GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
+_GROUP_RANKS: dict[str, list[int]] = {}
+
+# Values set through set_*(); they win over the groups. Keys: "tp", "pp", "dp", "ep", "expt-tp",
+# "vpp", each with "_size" or "_rank".
+_OVERRIDES: dict[str, Optional[int]] = {}
+
+_GROUP_DESCRIPTIONS = {
+    "tp": "tensor model parallel",
+    "cp": "context parallel",
+    "dp": "data parallel",
+    "dp-cp": "data parallel (with context parallel)",
+    "pp": "pipeline model parallel",
+    "mp": "model parallel",
+    "tp-cp": "tensor and context parallel",
+    "tp-dp": "tensor and data parallel",
+    "tp-dp-cp": "tensor, data and context parallel",
+    "ep": "expert model parallel",
+    "expt-tp": "expert tensor parallel",
+    "expt-dp": "expert data parallel",
+    "tp-ep": "expert tensor and model parallel",
+    "tp-ep-pp": "expert tensor, model and pipeline parallel",
+}
+
+
+# --------------------------------------------------------------------------------------- layout
+
+
+def generate_masked_orthogonal_rank_groups(
+    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
+) -> list[list[int]]:
+    """Partitions ``range(world_size)`` into the groups that vary only along masked dimensions.
+
+    Rank ``r`` has coordinates ``c_i = (r // prod(parallel_size[:i])) % parallel_size[i]``
+    (dimension 0 varies fastest). Two ranks share a group exactly when their coordinates agree
+    on every unmasked dimension. Inside a group, and across groups, the first dimension again
+    varies fastest.
+
+    Args:
+        world_size: Number of ranks; must equal ``prod(parallel_size)``.
+        parallel_size: Size of each dimension, fastest first.
+        mask: Which dimensions a group spans.
+
+    Returns:
+        The groups, each a list of global ranks.
+
+    Example:
+        sizes ``[tp=2, dp=3]`` over 6 ranks: the mask ``[True, False]`` gives the tp groups
+        ``[[0, 1], [2, 3], [4, 5]]``; ``[False, True]`` gives the dp groups ``[[0, 2, 4],
+        [1, 3, 5]]``.
+    """
+    if len(parallel_size) != len(mask):
+        raise ValueError(
+            f"parallel_size {list(parallel_size)} and mask {list(mask)} differ in length"
+        )
+    if math.prod(parallel_size) != world_size:
+        raise ValueError(
+            f"the product of parallel_size {list(parallel_size)} must equal world_size "
+            f"({world_size})"
+        )
+    strides = [math.prod(parallel_size[:i]) for i in range(len(parallel_size))]
+    inner = [i for i, masked in enumerate(mask) if masked]
+    outer = [i for i, masked in enumerate(mask) if not masked]
+
+    def offsets(dims: list[int]) -> list[int]:
+        # itertools.product varies its last factor fastest; feed the dimensions reversed so the
+        # first one varies fastest, matching the rank numbering.
+        ranges = [range(parallel_size[d]) for d in reversed(dims)]
+        return [
+            sum(c * strides[d] for c, d in zip(coords, reversed(dims)))
+            for coords in itertools.product(*ranges)
+        ]
+
+    inner_offsets = offsets(inner)
+    return [[base + off for off in inner_offsets] for base in offsets(outer)]
+
+
+class RankGenerator:
+    """Enumerates the rank groups of one layout (dense or expert).
+
+    Args:
+        tp: Tensor-parallel size (the expert-tensor size in the expert layout).
+        ep: Expert-model-parallel size (1 in the dense layout).
+        dp: Data-parallel size (the expert-data size in the expert layout).
+        pp: Pipeline-parallel size.
+        cp: Context-parallel size (1 in the expert layout).
+        order: Dimension order, fastest first, e.g. ``"tp-cp-ep-dp-pp"``. A dimension missing
+            from it must have size 1.
+        rank_offset: Added to every rank (only 0 is supported by ``initialize_model_parallel``).
+    """
+
+    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset=0):
+        self.sizes = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
+        tokens = order.lower().split("-")
+        unknown = [t for t in tokens if t not in _LAYOUT_TOKENS]
+        if unknown or len(set(tokens)) != len(tokens):
+            raise ValueError(
+                f"order={order!r}: use each of {', '.join(_LAYOUT_TOKENS)} at most once, "
+                "joined by '-', e.g. 'tp-cp-ep-dp-pp'."
+            )
+        for token in _LAYOUT_TOKENS:
+            if token not in tokens:
+                if self.sizes[token] != 1:
+                    raise ValueError(
+                        f"order={order!r} lacks {token!r} but its size is {self.sizes[token]}; "
+                        f"add {token!r} to the order."
+                    )
+                tokens.append(token)
+        self.order = tokens
+        self.rank_offset = rank_offset
+        self.world_size = math.prod(self.sizes.values())
+
+    def get_ranks(self, token: str) -> list[list[int]]:
+        """Returns every group spanning the dimensions named in ``token`` (e.g. ``"tp-cp"``)."""
+        wanted = token.split("-")
+        unknown = [t for t in wanted if t not in _LAYOUT_TOKENS]
+        if unknown:
+            raise ValueError(f"unknown parallel dimension(s) {unknown} in {token!r}")
+        groups = generate_masked_orthogonal_rank_groups(
+            self.world_size,
+            [self.sizes[t] for t in self.order],
+            [t in wanted for t in self.order],
+        )
+        return [[rank + self.rank_offset for rank in group] for group in groups]
+
+
+# ----------------------------------------------------------------------------- initialization
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _refuse(name: str, value, default, reason: str) -> None:
+    if value != default:
+        raise ValueError(f"{name}={value!r} is not supported: {reason} Leave it at {default!r}.")
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    pipeline_model_parallel_comm_backend: Optional[str] = None,
+    use_sharp: bool = False,
+    context_parallel_size: int = 1,
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None,
+    hybrid_context_parallel: bool = False,
+    expert_model_parallel_size: int = 1,
+    gtp_remat_size: int = 1,
+    expert_gtp_remat_size: int = 1,
+    num_distributed_optimizer_instances: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
+    nccl_communicator_config_path: Optional[str] = None,
+    distributed_timeout_minutes: int = 30,
+    order: str = "tp-cp-ep-dp-pp",
+    get_embedding_ranks: Optional[Callable[[list[int], Optional[int]], list[int]]] = None,
+    get_position_embedding_ranks: Optional[Callable[[list[int], Optional[int]], list[int]]] = None,
+    create_gloo_process_groups: bool = True,
+    high_priority_stream_groups: Optional[list[str]] = None,
+    sharp_enabled_group: Optional[str] = None,
+    rank_offset: int = 0,
+    local_world_size: Optional[int] = None,
+) -> None:
+    """Creates the model-parallel process groups of this rank.
+
+    Every rank of the job must call it with the same arguments: ``new_group`` is collective.
+    The data-parallel size is what is left of the world: ``world / (tp * cp * pp)`` densely and
+    ``world / (etp * ep * pp)`` for experts.
+
+    Args:
+        tensor_model_parallel_size: Ranks one layer's weights are split across.
+        pipeline_model_parallel_size: Pipeline stages.
+        virtual_pipeline_model_parallel_size: Interleaved model chunks per stage (recorded only).
+        pipeline_model_parallel_comm_backend: Backend of the pipeline groups (default: the
+            default group's backend).
+        use_sharp: NCCL SHARP for data-parallel reductions. Accepted and ignored (performance).
+        context_parallel_size: Ranks the sequence is split across.
+        hierarchical_context_parallel_sizes: Not supported; must be None.
+        hybrid_context_parallel: Not supported; must be False.
+        expert_model_parallel_size: Ranks the MoE experts are distributed across.
+        gtp_remat_size: Not supported; must be 1.
+        expert_gtp_remat_size: Not supported; must be 1.
+        num_distributed_optimizer_instances: Not supported; must be 1.
+        expert_tensor_parallel_size: Tensor-parallel size inside each expert; defaults to
+            ``tensor_model_parallel_size``.
+        nccl_communicator_config_path: NCCL tuning file. Accepted and ignored (performance).
+        distributed_timeout_minutes: Timeout of collectives on the new groups.
+        order: Order of the parallel dimensions, fastest first.
+        get_embedding_ranks: Not supported (no embedding groups are built); must be None.
+        get_position_embedding_ranks: Not supported; must be None.
+        create_gloo_process_groups: Upstream builds gloo copies of the data-parallel groups for
+            checkpointing; nothing in this fork uses them, so none are built.
+        high_priority_stream_groups: NCCL stream priorities. Accepted and ignored (performance).
+        sharp_enabled_group: Accepted and ignored (performance).
+        rank_offset: Not supported; must be 0.
+        local_world_size: Not supported; must be None.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized, or the world size is not
+            divisible by the dense or expert model-parallel size.
+        ValueError: A size is not a positive integer, the order is malformed, or an unsupported
+            option is requested.
+    """
+    if not torch.distributed.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group() "
+            "before parallel_state.initialize_model_parallel()."
+        )
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tensor_model_parallel_size
+    for name, value in (
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", pipeline_model_parallel_size),
+        ("context_parallel_size", context_parallel_size),
+        ("expert_model_parallel_size", expert_model_parallel_size),
+        ("expert_tensor_parallel_size", expert_tensor_parallel_size),
+        ("distributed_timeout_minutes", distributed_timeout_minutes),
+    ):
+        _check_positive(name, value)
+    if virtual_pipeline_model_parallel_size is not None:
+        _check_positive(
+            "virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size
+        )
+
+    why = "this fork implements the MLP / MoE stack and does not build these groups."
+    _refuse("hierarchical_context_parallel_sizes", hierarchical_context_parallel_sizes, None, why)
+    _refuse("hybrid_context_parallel", hybrid_context_parallel, False, why)
+    _refuse("gtp_remat_size", gtp_remat_size, 1, why)
+    _refuse("expert_gtp_remat_size", expert_gtp_remat_size, 1, why)
+    _refuse("num_distributed_optimizer_instances", num_distributed_optimizer_instances, 1, why)
+    _refuse("get_embedding_ranks", get_embedding_ranks, None, why)
+    _refuse("get_position_embedding_ranks", get_position_embedding_ranks, None, why)
+    _refuse("rank_offset", rank_offset, 0, "the layout always spans the whole world.")
+    _refuse("local_world_size", local_world_size, None, "the layout always spans the whole world.")
+    if use_sharp or nccl_communicator_config_path or high_priority_stream_groups:
+        warnings.warn(
+            "use_sharp / nccl_communicator_config_path / high_priority_stream_groups tune NCCL "
+            "performance only and are ignored by this fork.",
+            stacklevel=2,
+        )
+
+    world_size = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+
+    model_size = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
+    if world_size % model_size != 0:
+        raise RuntimeError(
+            f"world_size ({world_size}) is not divisible by {model_size} "
+            f"(tensor_model_parallel_size {tensor_model_parallel_size} x "
+            f"pipeline_model_parallel_size {pipeline_model_parallel_size} x "
+            f"context_parallel_size {context_parallel_size})"
+        )
+    expert_model_size = (
+        expert_tensor_parallel_size * expert_model_parallel_size * pipeline_model_parallel_size
+    )
+    if world_size % expert_model_size != 0:
+        raise RuntimeError(
+            f"world_size ({world_size}) is not divisible by {expert_model_size} "
+            f"(expert_tensor_parallel_size {expert_tensor_parallel_size} x "
+            f"expert_model_parallel_size {expert_model_parallel_size} x "
+            f"pipeline_model_parallel_size {pipeline_model_parallel_size})"
+        )
+
+    dense = RankGenerator(
+        tp=tensor_model_parallel_size,
+        ep=1,
+        dp=world_size // model_size,
+        pp=pipeline_model_parallel_size,
+        cp=context_parallel_size,
+        order=order,
+    )
+    expert = RankGenerator(
+        tp=expert_tensor_parallel_size,
+        ep=expert_model_parallel_size,
+        dp=world_size // expert_model_size,
+        pp=pipeline_model_parallel_size,
+        cp=1,
+        order=order,
+    )
+    # Experts and dense layers of one stage must live on the same ranks, or a pipeline stage
+    # would hold half a layer.
+    if dense.get_ranks("pp") != expert.get_ranks("pp"):
+        raise ValueError(
+            f"order={order!r} gives the dense and expert layouts different pipeline groups; put "
+            "'pp' last in the order (e.g. 'tp-cp-ep-dp-pp')."
+        )
+
+    # Re-initializing replaces the previous groups; overrides set by hand stay as they are.
+    _GROUPS.clear()
+    _GROUP_RANKS.clear()
+    timeout = timedelta(minutes=distributed_timeout_minutes)
+    backend = torch.distributed.get_backend()
+
+    def build(key: str, generator: RankGenerator, token: str, group_backend=None) -> None:
+        # new_group is collective over the whole world: every rank creates every group, in the
+        # same order, and keeps the one it belongs to.
+        for ranks in generator.get_ranks(token):
+            group = torch.distributed.new_group(
+                ranks, timeout=timeout, backend=group_backend or backend
+            )
+            if rank in ranks:
+                _GROUPS[key] = group
+                _GROUP_RANKS[key] = ranks
+
+    build("dp", dense, "dp")
+    build("dp-cp", dense, "dp-cp")
+    build("cp", dense, "cp")
+    build("mp", dense, "tp-pp")
+    build("tp", dense, "tp")
+    build("pp", dense, "pp", pipeline_model_parallel_comm_backend)
+    build("tp-cp", dense, "tp-cp")
+    build("tp-dp", dense, "tp-dp")
+    build("tp-dp-cp", dense, "tp-dp-cp")
+    build("ep", expert, "ep")
+    build("expt-tp", expert, "tp")
+    build("tp-ep", expert, "tp-ep")
+    build("tp-ep-pp", expert, "tp-ep-pp")
+    build("expt-dp", expert, "dp")
+
+    if virtual_pipeline_model_parallel_size is not None:
+        _OVERRIDES["vpp_rank"] = 0
+        _OVERRIDES["vpp_size"] = virtual_pipeline_model_parallel_size
+
+
+def is_initialized() -> bool:
+    """Whether ``initialize_model_parallel`` has run (the data-parallel group exists)."""
+    return "dp" in _GROUPS
+
+
+def model_parallel_is_initialized() -> bool:
+    """Whether the tensor, pipeline and data-parallel groups exist."""
+    return all(key in _GROUPS for key in ("tp", "pp", "dp"))
+
+
+def destroy_model_parallel() -> None:
+    """Forgets every group and override. Safe to call repeatedly or before initialization.
+
+    The process groups themselves are not destroyed (that is collective on NCCL and would need
+    every rank); the default group stays up for the next ``initialize_model_parallel``.
+    """
+    _GROUPS.clear()
+    _GROUP_RANKS.clear()
+    _OVERRIDES.clear()
+
+
+# ------------------------------------------------------------------------------------ groups
+
+
+def _group(key: str, check_initialized: bool = True):
+    group = _GROUPS.get(key)
+    if group is None and check_initialized:
+        raise AssertionError(
+            f"{_GROUP_DESCRIPTIONS[key]} group is not initialized; call "
+            "parallel_state.initialize_model_parallel() first."
+        )
+    return group
+
+
+def _ranks(key: str, check_initialized: bool = True) -> Optional[list[int]]:
+    ranks = _GROUP_RANKS.get(key)
+    if ranks is None and check_initialized:
+        raise AssertionError(
+            f"{_GROUP_DESCRIPTIONS[key]} group is not initialized; call "
+            "parallel_state.initialize_model_parallel() first."
+        )
+    return ranks
+
+
+def get_model_parallel_group(check_initialized: bool = True):
+    """Returns the model-parallel (tensor x pipeline) group of this rank."""
+    return _group("mp", check_initialized)
+
+
+def get_tensor_model_parallel_group(check_initialized: bool = True):
+    """Returns the tensor-model-parallel group of this rank."""
+    return _group("tp", check_initialized)
+
+
+def get_pipeline_model_parallel_group(check_initialized: bool = True):
+    """Returns the pipeline-model-parallel group of this rank."""
+    return _group("pp", check_initialized)
+
+
+def get_data_parallel_group(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+):
+    """Returns the data-parallel group of this rank.
+
+    Args:
+        with_context_parallel: Include the context-parallel ranks (they hold the same weights).
+        partial_data_parallel: The group of one distributed-optimizer instance; with the single
+            instance this fork supports, that is the whole data-parallel group.
+    """
+    return _group("dp-cp" if with_context_parallel else "dp")
+
+
+def get_context_parallel_group(check_initialized: bool = True):
+    """Returns the context-parallel group of this rank."""
+    return _group("cp", check_initialized)
+
+
+def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optional[list[int]]:
+    """Returns the global ranks of this rank's context-parallel group."""
+    return _ranks("cp", check_initialized)
+
+
+def get_tensor_and_context_parallel_group(check_initialized: bool = True):
+    """Returns the tensor x context-parallel group of this rank."""
+    return _group("tp-cp", check_initialized)
+
+
+def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+    """Returns the tensor x data (x context, if asked) parallel group of this rank."""
+    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+
+
+def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False):
+    """Returns the group over which FP8 amax statistics are reduced.
+
+    Every copy of a layer's weights must use the same FP8 scales, so the amax is reduced over
+    the tensor and data-parallel ranks (and context-parallel ranks, which also share weights),
+    or over the tensor-parallel ranks alone with ``tp_only_amax_red``.
+    """
+    if tp_only_amax_red:
+        return _group("tp-cp" if with_context_parallel else "tp")
+    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+
+
+def get_expert_model_parallel_group(check_initialized: bool = True):
+    """Returns the expert-model-parallel group (ranks holding different experts)."""
+    return _group("ep", check_initialized)
+
+
+def get_expert_tensor_parallel_group(check_initialized: bool = True):
+    """Returns the expert-tensor-parallel group (ranks splitting one expert's weights)."""
+    return _group("expt-tp", check_initialized)
+
+
+def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
+    """Returns the expert-tensor x expert-model-parallel group."""
+    return _group("tp-ep", check_initialized)
+
+
+def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
+    """Returns the expert-tensor x expert-model x pipeline-parallel group."""
+    return _group("tp-ep-pp", check_initialized)
+
+
+def get_expert_data_parallel_group(
+    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+):
+    """Returns the expert-data-parallel group (ranks holding the same expert shard).
+
+    ``partial_expert_data_parallel`` is the whole group here (one optimizer instance).
+    """
+    return _group("expt-dp", check_initialized)
+
+
+# ------------------------------------------------------------------------ sizes and ranks
+
+
+def _size(key: str, override: str) -> int:
+    value = _OVERRIDES.get(override + "_size")
+    if value is not None:
+        return value
+    if not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group=_group(key))
+
+
+def _rank(key: str, override: str) -> int:
+    value = _OVERRIDES.get(override + "_rank")
+    if value is not None:
+        return value
+    if not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_rank(group=_group(key))
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Returns the tensor-parallel size (the override, if set)."""
+    return _size("tp", "tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """Returns this rank's index in its tensor-parallel group (the override, if set)."""
+    return _rank("tp", "tp")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Returns the number of pipeline stages (the override, if set)."""
+    return _size("pp", "pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Returns this rank's pipeline stage (the override, if set)."""
+    return _rank("pp", "pp")
+
+
+def get_data_parallel_world_size(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """Returns the data-parallel size (the override, if set)."""
+    return _size("dp-cp" if with_context_parallel else "dp", "dp")
+
+
+def get_data_parallel_rank(
+    with_context_parallel: bool = False, partial_data_parallel: bool = False
+) -> int:
+    """Returns this rank's index in its data-parallel group (the override, if set)."""
+    return _rank("dp-cp" if with_context_parallel else "dp", "dp")
+
+
+def get_context_parallel_world_size() -> int:
+    """Returns the context-parallel size."""
+    return _size("cp", "cp")
+
+
+def get_context_parallel_rank() -> int:
+    """Returns this rank's index in its context-parallel group."""
+    return _rank("cp", "cp")
+
+
+def get_tensor_and_context_parallel_world_size() -> int:
+    """Returns the tensor x context-parallel size."""
+    return _size("tp-cp", "tp-cp")
+
+
+def get_tensor_and_context_parallel_rank() -> int:
+    """Returns this rank's index in its tensor x context-parallel group."""
+    return _rank("tp-cp", "tp-cp")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """Returns the expert-model-parallel size (the override, if set)."""
+    return _size("ep", "ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Returns this rank's index in its expert-model-parallel group (the override, if set)."""
+    return _rank("ep", "ep")
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    """Returns the expert-tensor-parallel size (the override, if set)."""
+    return _size("expt-tp", "expt-tp")
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    """Returns this rank's index in its expert-tensor-parallel group (the override, if set)."""
+    return _rank("expt-tp", "expt-tp")
+
+
+def get_expert_tensor_and_model_parallel_world_size() -> int:
+    """Returns the expert-tensor x expert-model-parallel size."""
+    return _size("tp-ep", "tp-ep")
+
+
+def get_expert_tensor_and_model_parallel_rank() -> int:
+    """Returns this rank's index in its expert-tensor x expert-model-parallel group."""
+    return _rank("tp-ep", "tp-ep")
+
+
+def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+    """Returns the expert-data-parallel size."""
+    return _size("expt-dp", "expt-dp")
+
+
+def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+    """Returns this rank's index in its expert-data-parallel group."""
+    return _rank("expt-dp", "expt-dp")
+
+
+def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
+    """Returns the number of virtual pipeline chunks per stage, or None without interleaving."""
+    return _OVERRIDES.get("vpp_size")
+
+
+def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
+    """Returns the current virtual pipeline chunk, or None without interleaving."""
+    return _OVERRIDES.get("vpp_rank")
+
+
+# ------------------------------------------------------------------------- source ranks
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Returns the global rank of the first rank of this rank's tensor-parallel group."""
+    return _ranks("tp")[0]
+
+
+def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
+    """Returns the global rank of the first rank of this rank's data-parallel group."""
+    return _ranks("dp-cp" if with_context_parallel else "dp")[0]
+
+
+def get_pipeline_model_parallel_first_rank() -> int:
+    """Returns the global rank of the first stage of this rank's pipeline."""
+    return _ranks("pp")[0]
+
+
+def get_pipeline_model_parallel_last_rank() -> int:
+    """Returns the global rank of the last stage of this rank's pipeline."""
+    return _ranks("pp")[-1]
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    """Returns the global rank of the next stage (wrapping around)."""
+    ranks = _ranks("pp")
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    """Returns the global rank of the previous stage (wrapping around)."""
+    ranks = _ranks("pp")
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def _virtual_stage(vp_stage: Optional[int]) -> Optional[int]:
+    if get_virtual_pipeline_model_parallel_world_size() is None:
+        return None
+    return vp_stage if vp_stage is not None else get_virtual_pipeline_model_parallel_rank()
+
+
+def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    """Whether this rank runs the first pipeline stage (and, unless ``ignore_virtual``, the
+    first virtual chunk: ``vp_stage``, or the current virtual rank)."""
+    if not ignore_virtual and _virtual_stage(vp_stage) not in (None, 0):
+        return False
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
+    """Whether this rank runs the last pipeline stage (and, unless ``ignore_virtual``, the last
+    virtual chunk: ``vp_stage``, or the current virtual rank)."""
+    if not ignore_virtual:
+        stage = _virtual_stage(vp_stage)
+        if stage is not None and stage != get_virtual_pipeline_model_parallel_world_size() - 1:
+            return False
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+# ------------------------------------------------------------------------------ overrides
+
+
+def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Overrides the tensor-parallel size reported by the getters (None removes it)."""
+    _OVERRIDES["tp_size"] = world_size
+
+
+def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
+    """Overrides the tensor-parallel rank reported by the getters (None removes it)."""
+    _OVERRIDES["tp_rank"] = rank
+
+
+def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Overrides the pipeline-parallel size reported by the getters (None removes it)."""
+    _OVERRIDES["pp_size"] = world_size
+
+
+def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Overrides the pipeline-parallel rank reported by the getters (None removes it)."""
+    _OVERRIDES["pp_rank"] = rank
+
+
+def set_data_parallel_rank(rank: Optional[int]) -> None:
+    """Overrides the data-parallel rank reported by the getters (None removes it)."""
+    _OVERRIDES["dp_rank"] = rank
+
+
+def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Overrides the expert-model-parallel size reported by the getters (None removes it)."""
+    _OVERRIDES["ep_size"] = world_size
+
+
+def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
+    """Overrides the expert-model-parallel rank reported by the getters (None removes it)."""
+    _OVERRIDES["ep_rank"] = rank
+
+
+def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
+    """Overrides the expert-tensor-parallel size reported by the getters (None removes it)."""
+    _OVERRIDES["expt-tp_size"] = world_size
+
+
+def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
+    """Overrides the expert-tensor-parallel rank reported by the getters (None removes it)."""
+    _OVERRIDES["expt-tp_rank"] = rank
+
+
+def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
+    """Sets the number of virtual pipeline chunks per stage."""
+    _OVERRIDES["vpp_size"] = world_size
+
+
+def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
+    """Sets the current virtual pipeline chunk."""
+    _OVERRIDES["vpp_rank"] = rank

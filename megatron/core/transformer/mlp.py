@@ -1,0 +1,337 @@
+"""The transformer MLP: ``fc2(activation(fc1(x)))``, with tensor-parallel linears.
+
+The layer is API-compatible with upstream megatron-core's ``MLP``. It differs in how it decides
+which activation to compute: upstream tests ``activation_func`` and the clamp fields again in each
+branch of ``forward``, and each branch supports a different subset of the configured options. Here
+``__init__`` turns the config into one :class:`ActivationSpec` and picks one of three paths for it,
+once:
+
+- **A, Transformer Engine module** (``use_te_activation_func``): TE's activation module, built
+  from ``submodules.activation_func``. TE's modules take no clamp, tanh scale or offset, so a spec
+  that has any of them is refused at construction.
+- **B, fused kernels** (``bias_activation_fusion``): :func:`fused_activation`, which fuses the
+  bias add, the activation (every non-custom spec, including clamps, SiTU-GLU and offsets) and
+  the per-token scale in one kernel. A custom callable is refused at construction.
+- **C, unfused** (otherwise): :func:`unfused_activation`, plain torch ops that call the
+  configured ``activation_func`` itself, so any callable works.
+
+All three compute what :meth:`ActivationSpec.reference` defines.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from megatron.core.extensions.te_import import have_te
+from megatron.core.fusions.fused_activation import fused_activation, lower_to_fused_kernel
+from megatron.core.transformer.activation_spec import (
+    ActivationSpec,
+    UnsupportedActivationError,
+    unfused_activation,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+# Values of ``MLP.activation_path``.
+TE_MODULE_PATH = "te_module"
+FUSED_KERNEL_PATH = "fused_kernel"
+UNFUSED_PATH = "unfused"
+
+
+@dataclass
+class MLPSubmodules:
+    """The classes (or ModuleSpecs) an :class:`MLP` builds its parts from.
+
+    Attributes:
+        linear_fc1: Column-parallel linear, called as ``linear_fc1(input_size, output_size, *,
+            config, init_method, gather_output, bias, skip_bias_add, is_expert,
+            tp_comm_buffer_name, tp_group, stride, name, pg_collection)``.
+        linear_fc2: Row-parallel linear, called as ``linear_fc2(input_size, output_size, *,
+            config, init_method, bias, input_is_parallel, skip_bias_add, is_expert,
+            tp_comm_buffer_name, tp_group, name, pg_collection)``.
+        activation_func: Transformer Engine activation module, called as
+            ``activation_func(config=config)``; used only with ``use_te_activation_func``.
+    """
+
+    linear_fc1: Union[ModuleSpec, type, None] = None
+    linear_fc2: Union[ModuleSpec, type, None] = None
+    activation_func: Union[ModuleSpec, type, None] = None
+
+
+def _child_name(name: Optional[str], child: str) -> Optional[str]:
+    return f"{name}.{child}" if name else None
+
+
+def select_activation_path(
+    config: TransformerConfig,
+    spec: ActivationSpec,
+    has_te_activation_builder: bool,
+    owner: str,
+) -> str:
+    """Chooses how a layer computes ``spec``, refusing what that path cannot compute.
+
+    Shared by :class:`MLP` and the routed experts so that both decide the same way.
+
+    Args:
+        config: Source of the path flags ``use_te_activation_func`` and
+            ``bias_activation_fusion``.
+        spec: The activation to compute.
+        has_te_activation_builder: The layer's submodules name a TE activation module.
+            ``use_te_activation_func`` without one (e.g. with the local layer spec) computes the
+            same activation on the unfused path.
+        owner: The layer's class name, used in error messages.
+
+    Returns:
+        One of ``TE_MODULE_PATH``, ``FUSED_KERNEL_PATH`` and ``UNFUSED_PATH``.
+
+    Raises:
+        UnsupportedActivationError: The selected path cannot compute ``spec``.
+    """
+    if config.use_te_activation_func and has_te_activation_builder:
+        if not spec.is_plain:
+            raise UnsupportedActivationError(
+                f"{owner}(use_te_activation_func=True)",
+                spec,
+                "Transformer Engine's activation modules take no clamp, tanh clamp scale or "
+                "linear offset",
+                "Set use_te_activation_func=False; bias_activation_fusion=True computes it "
+                "with the fused kernels.",
+            )
+        return TE_MODULE_PATH
+    if config.bias_activation_fusion:
+        # Lowering now, not at the first forward, makes an unsupported config fail at build.
+        lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
+        return FUSED_KERNEL_PATH
+    return UNFUSED_PATH
+
+
+class MLP(MegatronModule):
+    """Transformer MLP: a column-parallel fc1, an activation and a row-parallel fc2.
+
+    The input has ``input_size`` (default ``config.hidden_size``) features. fc1 projects it to
+    ``ffn_hidden_size`` features, split across the tensor-parallel group (twice that for a gated
+    linear unit, whose fc1 output holds the ``[gate, linear]`` halves); fc2 projects back and
+    reduces across the group. See the module docstring for how the activation is computed.
+
+    Args:
+        config: Layer configuration.
+        submodules: Classes of fc1, fc2 and (optionally) the TE activation module.
+        is_expert: The MLP is an MoE expert (expert-tensor-parallel group, latent projection).
+        input_size: fc1 input width; default ``config.hidden_size``.
+        ffn_hidden_size: Intermediate width. Required for experts; for a dense MLP None falls
+            back to ``config.ffn_hidden_size`` with a DeprecationWarning. fc2's input width is
+            always ``config.ffn_hidden_size`` (as upstream), so callers keep the two equal.
+        tp_group: Tensor-parallel group; default from ``parallel_state`` (deprecated).
+        name: Name of the layer; its linears are named ``<name>.linear_fc1`` / ``.linear_fc2``.
+        pg_collection: Process groups, passed on to the linears.
+
+    Raises:
+        ValueError: ``is_expert`` without ``ffn_hidden_size``.
+        UnsupportedActivationError: The selected activation path cannot compute the configured
+            activation (e.g. a custom callable with ``bias_activation_fusion``).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MLPSubmodules,
+        is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        name: Optional[str] = None,
+        pg_collection: Optional[Any] = None,
+    ):
+        super().__init__(config=config)
+        self.input_size = input_size if input_size is not None else config.hidden_size
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+
+        if ffn_hidden_size is None:
+            if is_expert:
+                raise ValueError("MoE MLP requires `ffn_hidden_size`, but it was not provided.")
+            warnings.warn(
+                "MLP requires ffn_hidden_size, but it was not provided. Using "
+                "config.ffn_hidden_size by default.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            ffn_hidden_size = config.ffn_hidden_size
+
+        # A gated fc1 holds [gate; linear]. stride=2 makes each tensor-parallel rank keep a slice
+        # of both halves, so the local output is [gate shard; linear shard] and splits locally.
+        fc1_output_size = ffn_hidden_size
+        fc1_stride = 1
+        if config.gated_linear_unit:
+            fc1_output_size *= 2
+            fc1_stride = 1 if config.use_kitchen else 2
+
+        # A latent MoE expert reads and writes the router's low-rank latent, not the hidden state.
+        self.use_latent = getattr(config, "moe_latent_size", None) is not None and is_expert
+        fc1_input_size = config.moe_latent_size if self.use_latent else self.input_size
+        fc2_output_size = config.moe_latent_size if self.use_latent else config.hidden_size
+
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1,
+            fc1_input_size,
+            fc1_output_size,
+            config=config,
+            init_method=config.init_method,
+            gather_output=False,
+            bias=config.add_bias_linear,
+            skip_bias_add=True,
+            is_expert=is_expert,
+            tp_comm_buffer_name="fc1",
+            tp_group=self.tp_group,
+            stride=fc1_stride,
+            name=_child_name(name, "linear_fc1"),
+            pg_collection=pg_collection,
+        )
+
+        self.activation_spec = ActivationSpec.from_config(config)
+        has_builder = submodules.activation_func is not None
+        self.activation_path = select_activation_path(
+            config, self.activation_spec, has_builder, type(self).__name__
+        )
+        if self.activation_path == TE_MODULE_PATH:
+            self.activation_func = build_module(submodules.activation_func, config=config)
+        else:
+            self.activation_func = config.activation_func
+
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2,
+            config.ffn_hidden_size,
+            fc2_output_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            is_expert=is_expert,
+            tp_comm_buffer_name="fc2",
+            tp_group=self.tp_group,
+            name=_child_name(name, "linear_fc2"),
+            pg_collection=pg_collection,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        per_token_scale: Optional[torch.Tensor] = None,
+        **kwargs,
+    ):
+        """Applies the MLP.
+
+        Args:
+            hidden_states: ``[..., input_size]``, typically ``[sequence, batch, hidden]``.
+            per_token_scale: Optional per-token weights ``hidden_states.shape[:-1]`` (MoE router
+                probabilities). They multiply the activation output, and the fc2 bias is scaled
+                by them and added here, so the returned bias is then None.
+            **kwargs: Ignored; accepted for call-site compatibility with other MLP classes.
+
+        Returns:
+            ``(output, output_bias)``: ``output`` is ``[..., hidden]``; ``output_bias`` is fc2's
+            bias for the caller to add (fused with dropout upstream), or None when the layer has
+            no bias or ``per_token_scale`` was given.
+        """
+        intermediate, fc1_bias = self.linear_fc1(hidden_states)
+        intermediate = self._activate(intermediate, fc1_bias, per_token_scale)
+        output, output_bias = self.linear_fc2(intermediate)
+
+        if per_token_scale is not None and output_bias is not None:
+            # Every token's contribution, bias included, is weighted by its router probability.
+            scaled_bias = output_bias * per_token_scale.unsqueeze(-1)
+            output = output + scaled_bias.to(output.dtype)
+            output_bias = None
+        return output, output_bias
+
+    def _activate(
+        self,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        per_token_scale: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The activation of fc1's output ``x`` (and fc1's unadded ``bias``) on this layer's path.
+
+        The result is in ``x.dtype``; ``per_token_scale`` multiplies each row.
+        """
+        probs = per_token_scale.unsqueeze(-1) if per_token_scale is not None else None
+        if self.activation_path == FUSED_KERNEL_PATH:
+            return fused_activation(
+                x,
+                self.activation_spec,
+                bias=bias,
+                probs=probs,
+                fp8_input_store=self.config.activation_func_fp8_input_store,
+                cpu_offload_input=self._offload_activation_input(),
+            )
+        if bias is not None:
+            x = x + bias
+        if self.activation_path == TE_MODULE_PATH:
+            out = self.activation_func(x)
+            return (out * probs).to(out.dtype) if probs is not None else out
+        return unfused_activation(x, self.activation_spec, self.config.activation_func, probs=probs)
+
+    def _offload_activation_input(self) -> bool:
+        # Tagging saved tensors for offloading only means something to TE's offload handler.
+        config = self.config
+        return bool(config.cpu_offloading and config.cpu_offloading_activations and have_te())
+
+    def backward_dw(self):
+        """Computes the deferred weight gradients of fc2, then fc1 (delayed wgrad compute)."""
+        self.linear_fc2.backward_dw()
+        self.linear_fc1.backward_dw()
+
+    @classmethod
+    def as_mlp_submodule(
+        cls,
+        submodules: MLPSubmodules,
+        config: TransformerConfig,
+        pg_collection: Any,
+        is_mtp_layer: bool,
+        is_expert: bool = False,
+        input_size: Optional[int] = None,
+        ffn_hidden_size: Optional[int] = None,
+        name: Optional[str] = None,
+    ) -> MLP:
+        """Builds this class as the ``mlp`` part of a transformer layer.
+
+        Args:
+            submodules: Classes of the MLP's parts.
+            config: Layer configuration.
+            pg_collection: Process groups; must provide ``tp``.
+            is_mtp_layer: The layer belongs to a multi-token-prediction block. Accepted for
+                signature compatibility; the MLP is built the same way.
+            is_expert: Build an MoE expert.
+            input_size: fc1 input width; default ``config.hidden_size``.
+            ffn_hidden_size: Intermediate width (see :class:`MLP`).
+            name: Name of the layer.
+
+        Raises:
+            ValueError: ``pg_collection`` lacks the ``tp`` group.
+        """
+        del is_mtp_layer
+        if pg_collection is None or not hasattr(pg_collection, "tp"):
+            raise ValueError(
+                f"{cls.__name__}.as_mlp_submodule needs a pg_collection with a tp group."
+            )
+        if hasattr(cls, "_make_fused_impl"):
+            # Fused implementations alias the linears' weights and cannot rematerialize them.
+            assert getattr(config, "gtp_weight_remat_size", 1) <= 1, (
+                f"{cls.__name__} does not support gtp_weight_remat_size > 1."
+            )
+        return cls(
+            config,
+            submodules,
+            is_expert=is_expert,
+            input_size=input_size,
+            ffn_hidden_size=ffn_hidden_size,
+            tp_group=pg_collection.tp,
+            name=name,
+            pg_collection=pg_collection,
+        )

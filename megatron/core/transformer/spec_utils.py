@@ -1,0 +1,113 @@
+"""Module specs: which class builds each part of a layer, decided outside the layer.
+
+A layer receives a ``ModuleSpec`` (or a dataclass of submodule specs) instead of hard-coding
+``ColumnParallelLinear`` or ``TELinear``; ``build_module`` turns the spec into an object. Swapping
+a backend is then a change of spec, not of the layer's code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+
+@dataclass
+class ModuleSpec:
+    """What to build for one part of a model.
+
+    Attributes:
+        module: The class or function to build, or an import path to it: a ``(module_path,
+            name)`` tuple or a dotted string such as ``"torch.nn.Linear"``.
+        params: Keyword arguments the spec always passes to ``module``.
+        submodules: Specs of the module's own parts, passed on as ``submodules=``; usually a
+            dataclass such as ``MLPSubmodules``.
+    """
+
+    module: Union[tuple[str, str], str, type, Callable]
+    params: dict = field(default_factory=dict)
+    submodules: Any = None
+
+
+def import_module(module_path: Union[tuple[str, str], str]) -> Any:
+    """Imports the object a spec names by path.
+
+    Args:
+        module_path: ``(module_path, name)``, e.g. ``("torch.nn", "Linear")``, or the dotted
+            string ``"torch.nn.Linear"``.
+
+    Returns:
+        The named class, function or other attribute.
+    """
+    if isinstance(module_path, str):
+        base_path, _, name = module_path.rpartition(".")
+    else:
+        base_path, name = module_path
+    if not base_path or not name:
+        raise ValueError(
+            f"module path {module_path!r} must name a module and an attribute, "
+            "e.g. ('torch.nn', 'Linear') or 'torch.nn.Linear'."
+        )
+    return getattr(importlib.import_module(base_path), name)
+
+
+def get_submodules(spec_or_module: Union[ModuleSpec, type, Callable]) -> Any:
+    """Returns the submodule specs of a spec; a bare class or function has none (None)."""
+    if isinstance(spec_or_module, ModuleSpec):
+        return spec_or_module.submodules
+    return None
+
+
+def _resolve(target: Any) -> Any:
+    if isinstance(target, tuple | str):
+        return import_module(target)
+    return target
+
+
+def build_module(spec_or_module: Union[ModuleSpec, type, Callable], *args, **kwargs) -> Any:
+    """Builds what a spec describes.
+
+    - A function (given directly, or as a spec's ``module``) is returned as is, not called:
+      specs use functions for factories the layer calls itself later (e.g. bias-dropout-add).
+    - A class is called with ``*args``, ``submodules=spec.submodules`` when the spec has
+      submodules, the spec's ``params`` and ``**kwargs``.
+
+    Args:
+        spec_or_module: A ``ModuleSpec``, a class, a function or an import path.
+        *args: Positional arguments for the class.
+        **kwargs: Keyword arguments for the class. A key that is also in ``spec.params`` is an
+            error: the spec and the caller must not both decide one argument.
+
+    Returns:
+        The built object, or the function itself.
+
+    Raises:
+        TypeError: When ``kwargs`` repeats a key of ``spec.params`` or ``submodules``.
+    """
+    spec = spec_or_module if isinstance(spec_or_module, ModuleSpec) else None
+    module = _resolve(spec.module if spec is not None else spec_or_module)
+
+    if isinstance(module, types.FunctionType | types.BuiltinFunctionType | types.MethodType):
+        return module
+
+    spec_kwargs = dict(spec.params) if spec is not None else {}
+    if spec is not None and spec.submodules is not None:
+        spec_kwargs["submodules"] = spec.submodules
+    duplicates = sorted(spec_kwargs.keys() & kwargs.keys())
+    if duplicates:
+        raise TypeError(
+            f"build_module({getattr(module, '__name__', module)}): argument(s) {duplicates} are "
+            "set both by the ModuleSpec (params / submodules) and by the caller; set each in "
+            "one place."
+        )
+
+    try:
+        return module(*args, **spec_kwargs, **kwargs)
+    except Exception as error:
+        # The traceback of a failed build points into the module; name the spec's target so a
+        # failure deep inside a model build can be traced back to the spec that caused it.
+        if hasattr(error, "add_note"):
+            error.add_note(f"raised while building {getattr(module, '__qualname__', module)!r}")
+        raise

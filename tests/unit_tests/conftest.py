@@ -1,0 +1,56 @@
+"""Shared pytest setup: NCCL defaults, hardware-based skips and process-group cleanup."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    # One NCCL channel keeps small test collectives cheap; NVLink SHARP (NVLS) multicast is
+    # unavailable or unsafe on the shared test machines. Users can still override both.
+    os.environ.setdefault("NCCL_MAX_NCHANNELS", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skips tests whose hardware or Transformer Engine is missing.
+
+    - ``gpu``: needs CUDA.
+    - ``multigpu``: needs at least two GPUs, or ``@pytest.mark.multigpu(num_gpus=N)``.
+    - ``te``: needs Transformer Engine's PyTorch API to import.
+    """
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have_te = None  # importing TE is slow: only check when some test asks for it
+
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and gpu_count == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        multigpu = item.get_closest_marker("multigpu")
+        if multigpu is not None:
+            needed = multigpu.kwargs.get("num_gpus", 2)
+            if gpu_count < needed:
+                item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPUs"))
+        if item.get_closest_marker("te") is not None:
+            if have_te is None:
+                from megatron.core.extensions.te_import import have_te as _have_te
+
+                have_te = _have_te()
+            if not have_te:
+                item.add_marker(pytest.mark.skip(reason="needs Transformer Engine"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # A tier with no matching tests (e.g. `-m gpu` on a CPU machine) is not a failure.
+    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cleanup():
+    """Tears down the default process group once every test has run."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,298 @@
+"""A fake ``transformer_engine`` for CPU tests: recording op classes with pure-torch math.
+
+Every fake op records its constructor arguments (``op.args`` / ``op.kwargs``) and computes the
+formula that shared/spec/te-ops.md gives for the TE op of the same name, written here from that
+table and independently of ``ActivationSpec.reference``. A test can therefore check both *which*
+op a path builds and that the arguments it passes compute the configured activation.
+
+``install_fake_te(monkeypatch, version=...)`` patches the module globals of
+``megatron.core.extensions.transformer_engine`` (``te``, ``HAVE_TE``, ``is_te_min_version``), as
+upstream's tests do.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from packaging.version import Version
+
+import megatron.core.extensions.transformer_engine as te_ext
+
+QUICK_GELU_ALPHA = 1.702
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """TE's GELU: the tanh approximation."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def split_glu(x: torch.Tensor, interleave) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's GLU input: first half ``a`` (activated), second half ``b``; or blocks of ``k``."""
+    if not interleave:
+        n = x.shape[-1] // 2
+        return x[..., :n], x[..., n:]
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // (2 * interleave), 2, interleave)
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
+# Op name -> y = f(op, x) for unscaled ops. ``op`` carries the constructor arguments.
+def _glu(fn):
+    def apply(op, x):
+        a, b = split_glu(x, op.kwargs.get("glu_interleave_size"))
+        return fn(op, a, b)
+
+    return apply
+
+
+def _clamped_swiglu(op, a, b):
+    limit = op.kwargs.get("limit", 7.0)
+    alpha = op.kwargs.get("alpha", 1.702)
+    offset = op.kwargs.get("glu_linear_offset", 1.0)
+    a_c = torch.clamp(a, max=limit)
+    return a_c * torch.sigmoid(alpha * a_c) * (torch.clamp(b, -limit, limit) + offset)
+
+
+def _situ_glu(op, a, b):
+    beta1 = op.kwargs.get("beta1", 4.0)
+    beta2 = op.kwargs.get("beta2", 25.0)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * beta2 * torch.tanh(b / beta2)
+
+
+_UNSCALED = {
+    "GELU": lambda op, x: gelu_tanh(x),
+    "QGELU": lambda op, x: x * torch.sigmoid(QUICK_GELU_ALPHA * x),
+    "ReLU": lambda op, x: F.relu(x),
+    "SReLU": lambda op, x: F.relu(x) ** 2,
+    "SiLU": lambda op, x: x * torch.sigmoid(x),
+    "GLU": _glu(lambda op, a, b: torch.sigmoid(a) * b),
+    "GEGLU": _glu(lambda op, a, b: gelu_tanh(a) * b),
+    "QGEGLU": _glu(lambda op, a, b: a * torch.sigmoid(QUICK_GELU_ALPHA * a) * b),
+    "ReGLU": _glu(lambda op, a, b: F.relu(a) * b),
+    "SReGLU": _glu(lambda op, a, b: F.relu(a) ** 2 * b),
+    "SwiGLU": _glu(lambda op, a, b: a * torch.sigmoid(a) * b),
+    "SiTUGLU": _glu(_situ_glu),
+    "ClampedSwiGLU": _glu(_clamped_swiglu),
+}
+
+
+def _scaled_tanh_srelu(op, x):
+    c = op.kwargs["tanh_clamp_scale"]
+    return (c * torch.tanh(F.relu(x) / c)) ** 2
+
+
+_SCALED = {
+    "ScaledSwiGLU": _UNSCALED["SwiGLU"],
+    "ScaledSiTUGLU": _UNSCALED["SiTUGLU"],
+    "ScaledClampedQGeGLU": _UNSCALED["ClampedSwiGLU"],
+    "ScaledSReLU": _UNSCALED["SReLU"],
+    "ScaledTanhSReLU": _scaled_tanh_srelu,
+}
+
+ACTIVATION_OPS = tuple(_UNSCALED) + tuple(_SCALED)
+
+
+class FakeOp(torch.nn.Module):
+    """Base of every fake op: records its constructor arguments."""
+
+    num_extra_inputs = 0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.args = args
+        self.kwargs = kwargs
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+def _activation_class(name: str) -> type:
+    scaled = name in _SCALED
+    fn = _SCALED[name] if scaled else _UNSCALED[name]
+
+    def __init__(self, *args, **kwargs):
+        if scaled and args:
+            # The Scaled* ops take glu_interleave_size positionally too.
+            kwargs = {"glu_interleave_size": args[0], **kwargs}
+            args = ()
+        FakeOp.__init__(self, *args, **kwargs)
+
+    def forward(self, x, *scales):
+        y = fn(self, x)
+        if scaled:
+            (s,) = scales
+            y = y * s.to(y.dtype)[..., None]
+        return y
+
+    return type(
+        name,
+        (FakeOp,),
+        {"__init__": __init__, "forward": forward, "num_extra_inputs": 1 if scaled else 0},
+    )
+
+
+def _meta_param(*shape, dtype=None):
+    return torch.nn.Parameter(torch.empty(*shape, device="meta", dtype=dtype))
+
+
+class BasicLinear(FakeOp):
+    """``y = x W^T``; the weight is a meta placeholder until a module's weight is aliased in."""
+
+    def __init__(self, in_features, out_features, **kwargs):
+        super().__init__(in_features, out_features, **kwargs)
+        self.weight = _meta_param(out_features, in_features, dtype=kwargs.get("dtype"))
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class Bias(FakeOp):
+    def __init__(self, size, **kwargs):
+        super().__init__(size, **kwargs)
+        self.bias = _meta_param(size, dtype=kwargs.get("dtype"))
+
+    def forward(self, x):
+        return x + self.bias
+
+
+class LayerNorm(FakeOp):
+    def __init__(self, normalized_shape, **kwargs):
+        super().__init__(normalized_shape, **kwargs)
+        self.weight = _meta_param(normalized_shape, dtype=kwargs.get("dtype"))
+        self.bias = _meta_param(normalized_shape, dtype=kwargs.get("dtype"))
+
+    def forward(self, x):
+        weight = self.weight + 1 if self.kwargs.get("zero_centered_gamma") else self.weight
+        return F.layer_norm(x, x.shape[-1:], weight, self.bias, self.kwargs.get("eps", 1e-5))
+
+
+class RMSNorm(FakeOp):
+    def __init__(self, normalized_shape, **kwargs):
+        super().__init__(normalized_shape, **kwargs)
+        self.weight = _meta_param(normalized_shape, dtype=kwargs.get("dtype"))
+
+    def forward(self, x):
+        weight = self.weight + 1 if self.kwargs.get("zero_centered_gamma") else self.weight
+        eps = self.kwargs.get("eps", 1e-5)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class GroupedLinear(FakeOp):
+    """One-group only: ``y = x W0^T``; takes ``split_sizes`` as its extra input."""
+
+    num_extra_inputs = 1
+
+    def __init__(self, num_groups, in_features, out_features, **kwargs):
+        super().__init__(num_groups, in_features, out_features, **kwargs)
+        assert num_groups == 1, "the fake GroupedLinear models one group"
+        self.weight0 = _meta_param(out_features, in_features, dtype=kwargs.get("dtype"))
+
+    def forward(self, x, split_sizes):
+        assert split_sizes.dtype == torch.int64 and split_sizes.tolist() == [x.shape[0]]
+        return F.linear(x, self.weight0)
+
+
+class AllReduce(FakeOp):
+    def forward(self, x):
+        return x
+
+
+class ReduceScatter(FakeOp):
+    def forward(self, x):
+        return x
+
+
+class Sequential(torch.nn.Module):
+    """Runs the ops in order, handing each its share of the extra inputs."""
+
+    def __init__(self, *ops):
+        super().__init__()
+        self.ops = torch.nn.ModuleList(ops)
+
+    def forward(self, x, *extra_inputs):
+        extra = list(extra_inputs)
+        for op in self.ops:
+            n = op.num_extra_inputs
+            x = op(x, *extra[:n])
+            extra = extra[n:]
+        assert not extra, f"{len(extra)} extra inputs left unused"
+        return x
+
+    @property
+    def op_names(self) -> list:
+        return [type(op).__name__ for op in self.ops]
+
+
+class Recipe(SimpleNamespace):
+    pass
+
+
+def make_fake_te(version: str = "2.20.2", missing=(), mxfp8=False, nvfp4=False):
+    """A fake ``transformer_engine`` module namespace.
+
+    Args:
+        version: ``__version__``.
+        missing: Op names to leave out of ``te.pytorch.ops``.
+        mxfp8 / nvfp4: What ``te.pytorch.is_*_available`` report.
+    """
+    ops = {name: _activation_class(name) for name in ACTIVATION_OPS}
+    ops.update(
+        BasicLinear=BasicLinear,
+        Bias=Bias,
+        LayerNorm=LayerNorm,
+        RMSNorm=RMSNorm,
+        GroupedLinear=GroupedLinear,
+        AllReduce=AllReduce,
+        ReduceScatter=ReduceScatter,
+        Sequential=Sequential,
+    )
+    for name in missing:
+        ops.pop(name)
+    records = SimpleNamespace(autocast=[], model_init=[])
+
+    class _Context:
+        def __init__(self, log, recipe):
+            self.log, self.recipe = log, recipe
+
+        def __enter__(self):
+            self.log.append(self.recipe)
+
+        def __exit__(self, *exc):
+            return False
+
+    pytorch = SimpleNamespace(
+        ops=SimpleNamespace(**ops),
+        is_mxfp8_available=lambda return_reason=False: (mxfp8, "" if mxfp8 else "fake: no MXFP8"),
+        is_nvfp4_available=lambda return_reason=False: (nvfp4, "" if nvfp4 else "fake: no NVFP4"),
+        autocast=lambda enabled, recipe: _Context(records.autocast, recipe),
+        quantized_model_init=lambda enabled, recipe: _Context(records.model_init, recipe),
+    )
+    recipe = SimpleNamespace(
+        MXFP8BlockScaling=lambda: Recipe(kind="mxfp8"),
+        NVFP4BlockScaling=lambda: Recipe(kind="nvfp4"),
+    )
+    return SimpleNamespace(
+        __version__=version, pytorch=pytorch, common=SimpleNamespace(recipe=recipe), records=records
+    )
+
+
+def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
+    """Patches the TE module globals with a fake of ``version``; returns the fake."""
+    fake = make_fake_te(version, **kwargs)
+
+    def is_te_min_version(v, check_equality=True):
+        found, wanted = Version(fake.__version__), Version(v)
+        return found >= wanted if check_equality else found > wanted
+
+    monkeypatch.setattr(te_ext, "te", fake)
+    monkeypatch.setattr(te_ext, "HAVE_TE", True)
+    monkeypatch.setattr(te_ext, "is_te_min_version", is_te_min_version)
+    return fake
+
+
+def run_op(op, x: torch.Tensor, scales=None) -> torch.Tensor:
+    """Runs a fake activation op (scaled ops need ``scales``)."""
+    return op(x, scales) if op.num_extra_inputs else op(x)

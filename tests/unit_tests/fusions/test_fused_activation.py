@@ -1,0 +1,175 @@
+"""Fused activation kernels vs the float64 reference, for every activation in the catalogue."""
+
+import pytest
+import torch
+
+from megatron.core.fusions.activation_kernels import use_compiled_kernels
+from megatron.core.fusions.fused_activation import fused_activation, lower_to_fused_kernel
+from megatron.core.transformer.activation_spec import (
+    ActivationKind,
+    ActivationSpec,
+    UnsupportedActivationError,
+)
+from tests.unit_tests.activation_catalog import SPECS, spec_of
+from tests.unit_tests.tolerances import assert_close_to_reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS, FFN = 37, 40  # FFN deliberately not a multiple of 32
+
+
+def _inputs(spec, dtype, has_bias, has_probs, rows=ROWS, ffn=FFN, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * ffn if spec.gated else ffn
+    x = (torch.randn(rows, width, generator=gen) * 3.0).to(dtype)
+    bias = (torch.randn(width, generator=gen) * 0.5).to(dtype) if has_bias else None
+    probs = torch.rand(rows, 1, generator=gen).to(dtype) if has_probs else None
+    grad = torch.randn(rows, ffn, generator=gen).to(dtype)
+    return x, bias, probs, grad
+
+
+def _leaf(t, dtype=None):
+    if t is None:
+        return None
+    t = t.detach().clone()
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.requires_grad_()
+
+
+def check_against_reference(spec, dtype, has_bias, has_probs, **shape):
+    x, bias, probs, grad = _inputs(spec, dtype, has_bias, has_probs, **shape)
+    xs, bs, ps = _leaf(x), _leaf(bias), _leaf(probs)
+    out = fused_activation(xs, spec, bias=bs, probs=ps)
+    out.backward(grad)
+
+    xr, br, pr = _leaf(x, torch.float64), _leaf(bias, torch.float64), _leaf(probs, torch.float64)
+    ref = spec.reference(xr, bias=br, probs=pr)
+    ref.backward(grad.double())
+
+    assert out.dtype == dtype
+    assert_close_to_reference(out, ref, dtype, f"{spec.name} output")
+    assert_close_to_reference(xs.grad, xr.grad, dtype, f"{spec.name} dx")
+    if has_bias:
+        assert bs.grad.dtype == dtype
+        assert_close_to_reference(bs.grad, br.grad, dtype, f"{spec.name} dbias")
+    if has_probs:
+        assert ps.grad.dtype == dtype
+        assert_close_to_reference(ps.grad, pr.grad, dtype, f"{spec.name} dprobs")
+
+
+@pytest.mark.parametrize("has_probs", [False, True], ids=["", "probs"])
+@pytest.mark.parametrize("has_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_eager_kernels_match_reference(name, dtype, has_bias, has_probs):
+    with use_compiled_kernels(False):
+        check_against_reference(SPECS[name], dtype, has_bias, has_probs)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_compiled_kernels_match_reference(name):
+    # One compiled variant per activation (bias + probs, bf16) keeps the CPU tier's compile time
+    # bounded; the eager test above covers the remaining structure combinations.
+    with use_compiled_kernels(True):
+        check_against_reference(SPECS[name], torch.bfloat16, True, True)
+
+
+@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu", "quick_geglu_gpt_oss"])
+def test_glu_interleave_matches_reference(name, use_compile):
+    spec = spec_of(name, glu_interleave_size=4)
+    with use_compiled_kernels(use_compile):
+        check_against_reference(spec, torch.float32, False, True, ffn=16)
+
+
+@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
+def test_three_dim_input_keeps_leading_shape(use_compile):
+    spec = SPECS["swiglu_clamp"]
+    x = torch.randn(5, 3, 16) * 3
+    with use_compiled_kernels(use_compile):
+        out = fused_activation(x, spec, probs=torch.rand(5, 3))
+    assert out.shape == (5, 3, 8)
+
+
+def test_clamps_are_hit_by_test_inputs():
+    # Guards the tests above against inputs too small to exercise the clamp branches.
+    x, *_ = _inputs(SPECS["swiglu_clamp"], torch.float32, False, False)
+    gate, lin = x.chunk(2, -1)
+    c = SPECS["swiglu_clamp"].clamp_value
+    assert (gate > c).float().mean() > 0.2 and (lin.abs() > c).float().mean() > 0.4
+
+
+@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["swiglu_clamp", "quick_geglu_gpt_oss"])
+def test_gradient_masks_are_inclusive_at_the_clamp_boundary(name, use_compile):
+    """Inputs exactly equal to +-c pass the gradient through, as torch.clamp's masks do."""
+    spec = SPECS[name]
+    c = spec.clamp_value  # exactly representable in bf16
+    gate = torch.tensor([[c, c, -c, 0.5]], dtype=torch.bfloat16)
+    lin = torch.tensor([[c, -c, c, -c]], dtype=torch.bfloat16)
+    x = torch.cat([gate, lin], -1).requires_grad_()
+    with use_compiled_kernels(use_compile):
+        fused_activation(x, spec).sum().backward()
+    xr = x.detach().double().requires_grad_()
+    spec.reference(xr).sum().backward()
+    assert (xr.grad != 0).all(), "reference gradient vanished at the boundary"
+    assert_close_to_reference(x.grad, xr.grad, torch.bfloat16, "boundary dx")
+
+
+def test_minimum_is_not_a_clamp_at_ties():
+    # Why the kernels use explicit inclusive masks: torch.minimum splits the gradient at ties.
+    a = torch.tensor([1.5], requires_grad=True)
+    torch.minimum(a, torch.tensor(1.5)).backward()
+    b = torch.tensor([1.5], requires_grad=True)
+    torch.clamp(b, max=1.5).backward()
+    assert a.grad.item() == 0.5 and b.grad.item() == 1.0
+
+
+@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
+def test_nan_propagates(use_compile):
+    spec = SPECS["swiglu_clamp"]
+    x = torch.randn(2, 8)
+    x[0, 0] = float("nan")
+    x.requires_grad_()
+    with use_compiled_kernels(use_compile):
+        out = fused_activation(x, spec)
+        out.sum().backward()
+    assert torch.isnan(out[0, 0]) and torch.isfinite(out[1]).all()
+    assert torch.isnan(x.grad[0, 0])
+
+
+def test_fp8_input_store_differentiates_at_the_rounded_input():
+    spec = SPECS["swiglu"]
+    x = (torch.randn(16, 32) * 2).requires_grad_()
+    with use_compiled_kernels(False):
+        out = fused_activation(x, spec, fp8_input_store=True)
+        out.backward(torch.ones_like(out))
+    rounded = x.detach().to(torch.float8_e4m3fn).double().requires_grad_()
+    spec.reference(rounded).sum().backward()
+    assert_close_to_reference(x.grad, rounded.grad, torch.float32, "fp8-store dx")
+    assert_close_to_reference(out, spec.reference(x.detach()), torch.float32, "fp8-store out")
+
+
+def test_cpu_offload_tags_saved_input():
+    spec = SPECS["swiglu"]
+    x = torch.randn(4, 8, requires_grad=True)
+    with use_compiled_kernels(False):
+        out = fused_activation(x, spec, cpu_offload_input=True)
+    node = out.grad_fn.next_functions[0][0]  # out is a view of the Function's output
+    assert getattr(node.saved_tensors[0], "activation_offloading", False)
+
+
+def test_custom_activation_is_refused_by_the_fused_kernels():
+    spec = ActivationSpec(ActivationKind.CUSTOM, gated=True, custom_func=torch.tanh)
+    with pytest.raises(UnsupportedActivationError, match="MyPath cannot compute GLU tanh"):
+        lower_to_fused_kernel(spec, "MyPath")
+    with pytest.raises(UnsupportedActivationError):
+        fused_activation(torch.randn(2, 4), spec)
+
+
+def test_shape_errors_are_clear():
+    spec = SPECS["swiglu"]
+    with pytest.raises(ValueError, match="probs with 3 rows"):
+        fused_activation(torch.randn(2, 4), spec, probs=torch.ones(3, 1))
+    with pytest.raises(ValueError, match="bias of shape"):
+        fused_activation(torch.randn(2, 4), spec, bias=torch.ones(3))
