@@ -164,8 +164,8 @@ class TEVersionError(UnsupportedActivationError, RuntimeError):
     """
 
 
-# Minimum TE versions. The op-based API appeared in 1.13; the rest are from TE's changelogs as
-# recorded in shared/spec (megatron-api.md section 5.8, te-ops.md).
+# Minimum TE versions (docs/te-paths.md). Ops whose first version is not pinned down (QGELU,
+# SReLU, ScaledTanhSReLU, ...) also pass a presence check: a build without the op is refused.
 TE_OPS_MIN_VERSION = "1.13.0"
 TE_CACHE_QUANTIZED_INPUT_MIN_VERSION = "2.3.0"
 TE_SILU_MIN_VERSION = "2.8.0"
@@ -179,7 +179,6 @@ class _OpFacts:
     """What one ``te.pytorch.ops`` activation class accepts (TE 2.20.2 signatures)."""
 
     min_version: str
-    gated: bool
     scaled: bool = False  # takes a per-row scale tensor as an extra input
     cache_quantized_input: bool = False  # accepts the keyword (on TE >= 2.3)
     interleave: bool = False  # accepts glu_interleave_size
@@ -187,31 +186,27 @@ class _OpFacts:
 
 _OP_FACTS = {
     # Unary ops.
-    "GELU": _OpFacts(TE_OPS_MIN_VERSION, gated=False, cache_quantized_input=True),
-    "QGELU": _OpFacts(TE_OPS_MIN_VERSION, gated=False, cache_quantized_input=True),
-    "ReLU": _OpFacts(TE_OPS_MIN_VERSION, gated=False, cache_quantized_input=True),
-    "SReLU": _OpFacts(TE_OPS_MIN_VERSION, gated=False, cache_quantized_input=True),
-    "SiLU": _OpFacts(TE_SILU_MIN_VERSION, gated=False, cache_quantized_input=True),
-    "ScaledSReLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, gated=False, scaled=True),
-    "ScaledTanhSReLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, gated=False, scaled=True),
+    "GELU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "QGELU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "ReLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "SReLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "SiLU": _OpFacts(TE_SILU_MIN_VERSION, cache_quantized_input=True),
+    "ScaledSReLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, scaled=True),
+    "ScaledTanhSReLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, scaled=True),
     # GLUs without a layout option.
-    "GEGLU": _OpFacts(TE_OPS_MIN_VERSION, gated=True, cache_quantized_input=True),
-    "QGEGLU": _OpFacts(TE_OPS_MIN_VERSION, gated=True, cache_quantized_input=True),
-    "ReGLU": _OpFacts(TE_OPS_MIN_VERSION, gated=True, cache_quantized_input=True),
-    "SReGLU": _OpFacts(TE_OPS_MIN_VERSION, gated=True, cache_quantized_input=True),
+    "GEGLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "QGEGLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "ReGLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
+    "SReGLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True),
     # The SwiGLU family, which reads either layout.
-    "SwiGLU": _OpFacts(TE_OPS_MIN_VERSION, gated=True, cache_quantized_input=True, interleave=True),
+    "SwiGLU": _OpFacts(TE_OPS_MIN_VERSION, cache_quantized_input=True, interleave=True),
     "ClampedSwiGLU": _OpFacts(
-        TE_CLAMPED_GLU_MIN_VERSION, gated=True, cache_quantized_input=True, interleave=True
+        TE_CLAMPED_GLU_MIN_VERSION, cache_quantized_input=True, interleave=True
     ),
-    "SiTUGLU": _OpFacts(
-        TE_SITU_GLU_MIN_VERSION, gated=True, cache_quantized_input=True, interleave=True
-    ),
-    "ScaledSwiGLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, gated=True, scaled=True, interleave=True),
-    "ScaledClampedQGeGLU": _OpFacts(
-        TE_CLAMPED_GLU_MIN_VERSION, gated=True, scaled=True, interleave=True
-    ),
-    "ScaledSiTUGLU": _OpFacts(TE_SITU_GLU_MIN_VERSION, gated=True, scaled=True, interleave=True),
+    "SiTUGLU": _OpFacts(TE_SITU_GLU_MIN_VERSION, cache_quantized_input=True, interleave=True),
+    "ScaledSwiGLU": _OpFacts(TE_GROUPED_OPS_MIN_VERSION, scaled=True, interleave=True),
+    "ScaledClampedQGeGLU": _OpFacts(TE_CLAMPED_GLU_MIN_VERSION, scaled=True, interleave=True),
+    "ScaledSiTUGLU": _OpFacts(TE_SITU_GLU_MIN_VERSION, scaled=True, interleave=True),
 }
 
 # The block-interleaved layout of the unscaled ops is implemented in Python by TE; the keyword
@@ -698,7 +693,9 @@ def _rng_tracker_function() -> Optional[Callable]:
     return get_cuda_rng_tracker if tracker.is_initialized() else None
 
 
-def _te_common_kwargs(config, init_method: Optional[Callable], tp_comm_buffer_name) -> dict:
+def _te_common_kwargs(
+    config, init_method: Optional[Callable], tp_comm_buffer_name, name: Optional[str]
+) -> dict:
     """Keyword arguments every TE linear module takes from the config."""
     if getattr(config, "use_cpu_initialization", False) or not torch.cuda.is_available():
         device = "cpu"
@@ -716,6 +713,9 @@ def _te_common_kwargs(config, init_method: Optional[Callable], tp_comm_buffer_na
     )
     if getattr(config, "tp_comm_overlap", False) and tp_comm_buffer_name:
         kwargs["ub_name"] = tp_comm_buffer_name
+    # Newer TE keywords go in only when set, so older TE builds still construct.
+    if name is not None:
+        kwargs["name"] = name
     return kwargs
 
 
@@ -816,7 +816,7 @@ class TELinear(_TEForwardReturnsBias, _te_base("Linear")):
         extra = {}
         if symmetric_ar_type is not None:
             extra["symmetric_ar_type"] = symmetric_ar_type
-        kwargs = _te_common_kwargs(config, init_method, tp_comm_buffer_name)
+        kwargs = _te_common_kwargs(config, init_method, tp_comm_buffer_name, name)
         if is_expert:
             kwargs["rng_tracker_name"] = get_expert_parallel_rng_tracker_name()
         super().__init__(
@@ -828,7 +828,6 @@ class TELinear(_TEForwardReturnsBias, _te_base("Linear")):
             bias=bias,
             return_bias=self.te_return_bias,
             parallel_mode=parallel_mode,
-            name=name,
             **kwargs,
             **extra,
         )
@@ -912,8 +911,7 @@ class TELayerNormColumnParallelLinear(_TEForwardReturnsBias, _te_base("LayerNorm
             parallel_mode="column",
             return_layernorm_output=False,
             zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
-            name=name,
-            **_te_common_kwargs(config, init_method, tp_comm_buffer_name),
+            **_te_common_kwargs(config, init_method, tp_comm_buffer_name, name),
         )
 
     def forward(self, x: torch.Tensor):
@@ -1058,7 +1056,7 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
             elif parallel_mode == "row":
                 input_size //= tp_size
             parallel_mode, tp_group, tp_size = None, None, 1
-        kwargs = _te_common_kwargs(config, init_method, tp_comm_buffer_name)
+        kwargs = _te_common_kwargs(config, init_method, tp_comm_buffer_name, name)
         kwargs["rng_tracker_name"] = get_expert_parallel_rng_tracker_name()
         super().__init__(
             num_gemms=num_gemms,
@@ -1070,7 +1068,6 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
             bias=bias,
             return_bias=self.te_return_bias,
             parallel_mode=parallel_mode,
-            name=name,
             **kwargs,
         )
 
@@ -1280,7 +1277,14 @@ class TEFusedOpsMixin:
         """Drops the cached ops (e.g. after replacing a parameter); the next call rebuilds them."""
         self._fused_impl = None
 
-    def _register_hooks_on_fused_impl(self, fused) -> None:
+    def _register_hooks_on_fused_impl(self, fused, *, pre_hook_target=None) -> None:
+        """Makes ``fused`` run the submodules' hooks (see the class docstring).
+
+        Args:
+            fused: The ops; the replayed forward post-hooks run after it.
+            pre_hook_target: The module that runs first, when it is not ``fused`` (e.g. a norm
+                run separately); the replayed forward pre-hooks run before it.
+        """
         descendants = [(name, m) for name, m in self.named_modules() if m is not self]
         for name, module in descendants:
             if module._backward_hooks or module._backward_pre_hooks:
@@ -1328,7 +1332,9 @@ class TEFusedOpsMixin:
             for _name, module, hook in post_hooks:
                 hook(module, (), None)
 
-        fused.register_forward_pre_hook(replay_pre_hooks)
+        (pre_hook_target if pre_hook_target is not None else fused).register_forward_pre_hook(
+            replay_pre_hooks
+        )
         if post_hooks:
             fused.register_forward_hook(replay_post_hooks)
 
@@ -1454,10 +1460,10 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
     [AllReduce | ReduceScatter] -> [Bias]``, aliasing the parameters of the module's own TE
     linears: the state dict is exactly :class:`MLP`'s, so weights move between the two freely.
 
-    The activation is lowered in ``__init__`` (:func:`plan_te_activation`): a config TE cannot
-    compute exactly fails at construction, never at the first forward and never silently. fc1
-    must be a :class:`TELayerNormColumnParallelLinear` (or :class:`TEColumnParallelLinear`) and
-    fc2 a :class:`TERowParallelLinear`; that is checked when the ops are first built.
+    The activation is lowered in ``__init__`` (:func:`plan_te_activation`) and the linear types
+    are checked there too: a config the ops cannot compute exactly fails at construction, never at
+    the first forward and never silently. fc1 must be a :class:`TELayerNormColumnParallelLinear`
+    (or :class:`TEColumnParallelLinear`) and fc2 a :class:`TERowParallelLinear`.
 
     Args: as :class:`MLP`.
 
@@ -1466,6 +1472,7 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
         RuntimeError: Transformer Engine is older than 1.13.
         UnsupportedActivationError: TE cannot compute the configured activation
             (:class:`TEVersionError`, also a RuntimeError, when only the TE version is at fault).
+        ValueError: fc1 or fc2 is not one of the TE linear wrappers above.
     """
 
     def __init__(
@@ -1490,7 +1497,10 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
             name=name,
             pg_collection=pg_collection,
         )
+        # Both checks run now: the ops are built lazily, but a config they cannot run must fail
+        # at model build.
         self._setup_fused_activation()
+        self._check_fused_linears()
 
     def _setup_fused_activation(self) -> None:
         """Lowers the activation once, at construction; the ops are built from the result."""
@@ -1579,6 +1589,10 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
             ValueError: ``per_token_scale`` is given (the fused ops would ignore it).
         """
         self._refuse_per_token_scale(per_token_scale)
+        fc1 = self.linear_fc1
+        if isinstance(fc1, TELayerNormColumnParallelLinear):
+            # As the TE LayerNorm linear does in MLP: the norm runs in its weight's dtype.
+            hidden_states = hidden_states.to(fc1.layer_norm_weight.dtype)
         return self._get_fused_impl()(hidden_states), self._returned_bias()
 
 
@@ -1686,6 +1700,13 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
     def _reset_fused_impl(self) -> None:
         super()._reset_fused_impl()
         self._norm_seq = None
+
+    def _register_hooks_on_fused_impl(self, fused, *, pre_hook_target=None) -> None:
+        # The norm runs before the grouped ops and reads fc1's norm parameters, so the replayed
+        # pre-hooks (e.g. a parameter all-gather) must run before it.
+        if pre_hook_target is None and self._norm_seq is not None:
+            pre_hook_target = self._norm_seq[0]
+        super()._register_hooks_on_fused_impl(fused, pre_hook_target=pre_hook_target)
 
     def _tensor_parallel(self) -> bool:
         return self._get_te_ops_tensor_parallel_context()[0] > 1

@@ -36,8 +36,11 @@ def _leaf(t, dtype=None):
     return t.requires_grad_()
 
 
-def check_against_reference(spec, dtype, has_bias, has_probs, **shape):
+def check_against_reference(spec, dtype, has_bias, has_probs, device="cpu", **shape):
     x, bias, probs, grad = _inputs(spec, dtype, has_bias, has_probs, **shape)
+    x, grad = x.to(device), grad.to(device)
+    bias = bias.to(device) if bias is not None else None
+    probs = probs.to(device) if probs is not None else None
     xs, bs, ps = _leaf(x), _leaf(bias), _leaf(probs)
     out = fused_activation(xs, spec, bias=bs, probs=ps)
     out.backward(grad)
@@ -72,6 +75,31 @@ def test_compiled_kernels_match_reference(name):
     # bounded; the eager test above covers the remaining structure combinations.
     with use_compiled_kernels(True):
         check_against_reference(SPECS[name], torch.bfloat16, True, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_cuda_compiled_kernels_match_reference(name, dtype):
+    with use_compiled_kernels(True):
+        check_against_reference(SPECS[name], dtype, True, True, device="cuda", rows=1031, ffn=344)
+        check_against_reference(SPECS[name], dtype, False, False, device="cuda", rows=64, ffn=40)
+
+
+@pytest.mark.gpu
+def test_cuda_runs_are_bitwise_deterministic():
+    spec = SPECS["swiglu_clamp"]
+    x = torch.randn(4096, 2 * 1000, device="cuda", dtype=torch.bfloat16) * 3
+    probs = torch.rand(4096, 1, device="cuda", requires_grad=True)
+    grads = []
+    for _ in range(3):
+        xs = x.clone().requires_grad_()
+        probs.grad = None
+        out = fused_activation(xs, spec, probs=probs)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), xs.grad, probs.grad.clone()))
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
 
 
 @pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])

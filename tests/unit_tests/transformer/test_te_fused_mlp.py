@@ -324,9 +324,11 @@ def test_te_fused_mlp_requires_te_linears(fake_te):
 
     config = make_config("swiglu")
     local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    fused = build(te_ext.TEFusedMLP, config, local)
     with pytest.raises(ValueError, match="linear_fc1 to be a TELayerNormColumnParallelLinear"):
-        fused(torch.randn(2, HIDDEN, dtype=DTYPE))
+        build(te_ext.TEFusedMLP, config, local)
+    te_fc1 = MLPSubmodules(linear_fc1=CpuLayerNormLinear, linear_fc2=RowParallelLinear)
+    with pytest.raises(ValueError, match="linear_fc2 to be a TERowParallelLinear"):
+        build(te_ext.TEFusedMLP, config, te_fc1)
 
 
 def test_te_fused_mlp_refuses_per_token_scale(fake_te):
@@ -517,6 +519,17 @@ def test_grouped_tensor_parallel_refuses_scaled_only_activations(fake_te, unquan
     group = fake_tp_group(monkeypatch)
     with pytest.raises(UnsupportedActivationError, match="tensor-parallel"):
         build(GROUPED, make_config("squared_relu_tanh"), tp_group=group)
+
+
+def test_grouped_replays_pre_hooks_before_the_norm(fake_te, unquantized):
+    fused = build(GROUPED, make_config("swiglu"))
+    calls = []
+    fused.linear_fc1.register_forward_pre_hook(lambda m, args: calls.append("fc1 pre-hook"))
+    with pytest.warns(UserWarning, match="replaying forward pre-hook"):
+        fused(torch.randn(2, HIDDEN, dtype=DTYPE))
+    fused._norm_seq[0].register_forward_hook(lambda *args: calls.append("norm"))
+    fused(torch.randn(2, HIDDEN, dtype=DTYPE))
+    assert calls == ["fc1 pre-hook", "fc1 pre-hook", "norm"]
 
 
 def test_grouped_refuses_per_token_scale(fake_te, unquantized):

@@ -1,0 +1,528 @@
+"""Activation audit: proves every MLP path this machine runs computes the configured activation.
+
+Usage::
+
+    python -m megatron.core.transformer.activation_audit            # the built-in activation set
+    python -m megatron.core.transformer.activation_audit --activation-func silu \\
+        --gated-linear-unit --activation-func-clamp-value 7 --num-moe-experts 8
+    python -m megatron.core.transformer.activation_audit --json audit.json
+
+For each activation and each path (unfused ``MLP``, ``MLP`` with fused kernels, ``SharedExpertMLP``,
+``SequentialMLP``, and with Transformer Engine on a GPU ``TEFusedMLP``,
+``TEFusedMLPWithGroupedLinear``, ``FusedSharedExpertMLP`` and ``TEGroupedMLP``) it builds the
+layer from a ``TransformerConfig``, scales the fc1 weights so pre-activations hit the clamps, runs
+forward and backward, and compares the output, the input gradient and every parameter gradient
+with a float64 evaluation of ``ActivationSpec.reference`` on the same weights. Each cell of the
+printed table is ``match`` (max relative error), ``refuses`` (the construction-time error), or
+``MISMATCH``; the exit status is 1 if any cell is a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import activations
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.transformer.activation_spec import ActivationSpec
+
+HIDDEN, FFN, EXPERTS, TOKENS = 64, 112, 4, 48
+
+# Relative tolerance (max |got - ref| / max |ref|) per compute dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+FUNCTIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "fast_gelu": activations.fast_gelu,
+    "quick_gelu": quick_gelu,
+    "relu": F.relu,
+    "squared_relu": activations.squared_relu,
+}
+
+BUILT_IN = {
+    "SwiGLU": dict(activation_func=F.silu, gated_linear_unit=True),
+    "DeepSeek-V4 clamped SwiGLU": dict(
+        activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=7.0
+    ),
+    "Kimi-K3 SiTU-GLU": dict(
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        activation_func_tanh_clamp_scale=4.0,
+        activation_func_tanh_clamp_scale_linear=25.0,
+    ),
+    "gpt-oss quick-GEGLU": dict(
+        activation_func=quick_gelu,
+        gated_linear_unit=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=7.0,
+    ),
+    "GEGLU": dict(activation_func=activations.fast_gelu, gated_linear_unit=True),
+    "squared-ReLU + tanh clamp": dict(
+        activation_func=activations.squared_relu, activation_func_tanh_clamp_scale=10.0
+    ),
+}
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (path, activation) result."""
+
+    path: str
+    activation: str
+    status: str  # "match" | "refuses" | "MISMATCH" | "unavailable"
+    max_rel_error: Optional[float] = None
+    detail: str = ""
+
+
+# ----------------------------------------------------------------------------- references
+def _linear(x, weight, bias=None):
+    out = x @ weight.t()
+    return out + bias if bias is not None else out
+
+
+def _norm(x, params, prefix, config):
+    weight = params.get(f"{prefix}layer_norm_weight")
+    if weight is None:
+        return x
+    if config.layernorm_zero_centered_gamma:
+        weight = weight + 1
+    if config.normalization == "RMSNorm":
+        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
+        return x * rms * weight
+    bias = params.get(f"{prefix}layer_norm_bias")
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, config.layernorm_epsilon)
+
+
+def _mlp_reference(params, x, spec, config, prefix="", probs=None):
+    h = _norm(x, params, f"{prefix}linear_fc1.", config)
+    h = _linear(h, params[f"{prefix}linear_fc1.weight"], params.get(f"{prefix}linear_fc1.bias"))
+    h = spec.reference(h, probs=probs)
+    out = _linear(h, params[f"{prefix}linear_fc2.weight"])
+    bias = params.get(f"{prefix}linear_fc2.bias")
+    if bias is not None:
+        out = out + (bias * probs if probs is not None else bias)
+    return out
+
+
+def _grouped_reference(params, x, spec, config, tokens_per_expert, probs):
+    outs, start = [], 0
+    for i, n in enumerate(tokens_per_expert):
+        rows = slice(start, start + n)
+        start += n
+        h = _linear(x[rows], params[f"linear_fc1.weight{i}"], params.get(f"linear_fc1.bias{i}"))
+        h = spec.reference(h, probs=probs[rows])
+        out = _linear(h, params[f"linear_fc2.weight{i}"])
+        bias = params.get(f"linear_fc2.bias{i}")
+        outs.append(out + bias * probs[rows] if bias is not None else out)
+    return torch.cat(outs)
+
+
+# ----------------------------------------------------------------------------- paths
+@dataclasses.dataclass
+class Path:
+    """How to build, run and model one MLP code path."""
+
+    name: str
+    build: Callable  # (config_kwargs, device) -> module
+    run: Callable  # (module, x, probs, tokens_per_expert) -> output
+    reference: Callable  # (params64, x64, module, probs64, tokens_per_expert) -> output
+    moe_input: bool = False  # takes tokens_per_expert and per-token probabilities
+    needs_te: bool = False
+
+
+def _config(kwargs, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=FFN,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
+    base.update(kwargs)
+    base.update(extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(**base)
+
+
+def _local_submodules():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _te_submodules(grouped=False):
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    if grouped:
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+        return GroupedMLPSubmodules(
+            linear_fc1=te_ext.TEColumnParallelGroupedLinear,
+            linear_fc2=te_ext.TERowParallelGroupedLinear,
+        )
+    return MLPSubmodules(
+        linear_fc1=te_ext.TELayerNormColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+    )
+
+
+def _mlp(cls_path, submodules, **extra):
+    def build(kwargs, device):
+        import importlib
+
+        module_name, cls_name = cls_path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        config = _config(kwargs, **extra)
+        return cls(config, submodules(), ffn_hidden_size=FFN).to(device)
+
+    return build
+
+
+def _shared(cls_name, **extra):
+    def build(kwargs, device):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe import shared_experts
+
+        config = _config(kwargs, moe_shared_expert_intermediate_size=FFN, **extra)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        cls = getattr(shared_experts, cls_name)
+        submodules = _te_submodules() if cls_name.startswith("Fused") else _local_submodules()
+        return cls(config, submodules, gate=True, pg_collection=pgs).to(device)
+
+    return build
+
+
+def _experts(cls_name, grouped, **extra):
+    def build(kwargs, device):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe import experts
+
+        config = _config(kwargs, **extra)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        submodules = _te_submodules(grouped=True) if grouped else _local_submodules()
+        return getattr(experts, cls_name)(EXPERTS, config, submodules, pg_collection=pgs).to(device)
+
+    return build
+
+
+def _run_mlp(module, x, probs, tpe):
+    return module(x)[0]
+
+
+def _run_shared(module, x, probs, tpe):
+    return module(x)
+
+
+def _run_experts(module, x, probs, tpe):
+    return module(x, torch.tensor(tpe), probs.reshape(-1))[0]
+
+
+def _ref_mlp(params, x, module, probs, tpe):
+    return _mlp_reference(params, x, module.activation_spec, module.config)
+
+
+def _ref_shared(params, x, module, probs, tpe):
+    out = _mlp_reference(params, x, module.activation_spec, module.config)
+    return out * torch.sigmoid(_linear(x, params["gate_weight"]))
+
+
+def _ref_sequential(params, x, module, probs, tpe):
+    outs, start = [], 0
+    for i, n in enumerate(tpe):
+        rows = slice(start, start + n)
+        start += n
+        expert = module.local_experts[i]
+        outs.append(
+            _mlp_reference(
+                params,
+                x[rows],
+                expert.activation_spec,
+                expert.config,
+                f"local_experts.{i}.",
+                probs=probs[rows],
+            )
+        )
+    return torch.cat(outs)
+
+
+def _ref_grouped(params, x, module, probs, tpe):
+    return _grouped_reference(params, x, module.activation_spec, module.config, tpe, probs)
+
+
+def all_paths() -> list[Path]:
+    """Every path the audit knows, in table order."""
+    mlp = "megatron.core.transformer.mlp.MLP"
+    te = "megatron.core.extensions.transformer_engine."
+    return [
+        Path("MLP (unfused)", _mlp(mlp, _local_submodules), _run_mlp, _ref_mlp),
+        Path(
+            "MLP (fused kernels)",
+            _mlp(mlp, _local_submodules, bias_activation_fusion=True),
+            _run_mlp,
+            _ref_mlp,
+        ),
+        Path("SharedExpertMLP", _shared("SharedExpertMLP"), _run_shared, _ref_shared),
+        Path(
+            "SequentialMLP",
+            _experts("SequentialMLP", False),
+            _run_experts,
+            _ref_sequential,
+            moe_input=True,
+        ),
+        Path(
+            "TEFusedMLP",
+            _mlp(te + "TEFusedMLP", _te_submodules, use_transformer_engine_op_fuser=True),
+            _run_mlp,
+            _ref_mlp,
+            needs_te=True,
+        ),
+        Path(
+            "TEFusedMLPWithGroupedLinear",
+            _mlp(
+                te + "TEFusedMLPWithGroupedLinear",
+                _te_submodules,
+                use_transformer_engine_op_fuser=True,
+                use_grouped_gemm_for_dense_mlp=True,
+            ),
+            _run_mlp,
+            _ref_mlp,
+            needs_te=True,
+        ),
+        Path(
+            "FusedSharedExpertMLP",
+            _shared(
+                "FusedSharedExpertMLP",
+                use_grouped_gemm_for_shared_expert=True,
+                moe_shared_expert_glu_interleave_size=32,
+            ),
+            _run_shared,
+            _ref_shared,
+            needs_te=True,
+        ),
+        Path(
+            "TEGroupedMLP (unfused)",
+            _experts("TEGroupedMLP", True, moe_grouped_gemm=True),
+            _run_experts,
+            _ref_grouped,
+            moe_input=True,
+            needs_te=True,
+        ),
+        Path(
+            "TEGroupedMLP (TE ops)",
+            _experts(
+                "TEGroupedMLP",
+                True,
+                moe_grouped_gemm=True,
+                use_transformer_engine_op_fuser=True,
+                moe_mlp_glu_interleave_size=32,
+            ),
+            _run_experts,
+            _ref_grouped,
+            moe_input=True,
+            needs_te=True,
+        ),
+    ]
+
+
+# ----------------------------------------------------------------------------- running
+def _scale_fc1(module, std=8.0):
+    """Scales fc1 weights so pre-activations have std ~``std``: clamps and tanh scales bite."""
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "linear_fc1.weight" in name and param.dim() == 2:
+                param.normal_(0.0, std / math.sqrt(param.shape[1]))
+
+
+def _max_rel(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
+    """Builds one path for one activation and compares it with the float64 reference."""
+    from megatron.core.transformer.activation_spec import UnsupportedActivationError
+
+    torch.manual_seed(1234)
+    try:
+        module = path.build(kwargs, device)
+    except (ValueError, RuntimeError, NotImplementedError, UnsupportedActivationError) as err:
+        return Cell(path.name, act_name, "refuses", detail=str(err).splitlines()[0])
+    module = module.to(dtype)
+    _scale_fc1(module)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device=device, dtype=dtype)
+    probs = torch.rand(TOKENS, 1, generator=gen).to(device=device, dtype=torch.float32)
+    tpe = [TOKENS // 2, 0, TOKENS // 4, TOKENS - TOKENS // 2 - TOKENS // 4]
+    x_in = x.clone().requires_grad_()
+    out = path.run(module, x_in, probs, tpe)
+    grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
+    out.backward(grad)
+
+    params64 = {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
+    x64 = x.double().requires_grad_()
+    ref = path.reference(params64, x64, module, probs.double(), tpe)
+    ref.backward(grad.double())
+
+    errors = {"output": _max_rel(out, ref), "dx": _max_rel(x_in.grad, x64.grad)}
+    for name, p in module.named_parameters():
+        if params64[name].grad is None or p.grad is None:
+            if (params64[name].grad is None) != (p.grad is None):
+                errors[f"d{name}"] = math.inf
+            continue
+        errors[f"d{name}"] = _max_rel(p.grad, params64[name].grad)
+    worst_name = max(errors, key=errors.get)
+    worst = errors[worst_name]
+    status = "match" if worst <= TOLERANCE[dtype] else "MISMATCH"
+    return Cell(path.name, act_name, status, worst, f"worst: {worst_name}")
+
+
+def _init_single_process_world(device):
+    """A one-process world (gloo on CPU, nccl on GPU) with TP = EP = 1."""
+    import os
+
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        store = dist.HashStore()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def run_audit(activations_to_run: dict, device, dtype, paths=None) -> list[Cell]:
+    """Runs every (path, activation) cell this machine can run."""
+    from megatron.core.extensions.te_import import have_te
+
+    _init_single_process_world(device)
+    te_ok = have_te() and device.type == "cuda"
+    cells = []
+    for path in paths or all_paths():
+        for act_name, kwargs in activations_to_run.items():
+            if path.needs_te and not te_ok:
+                cells.append(Cell(path.name, act_name, "unavailable", detail="needs TE and a GPU"))
+                continue
+            try:
+                cells.append(audit_cell(path, act_name, kwargs, device, dtype))
+            except Exception as err:  # noqa: BLE001 - report, never hide, unexpected failures
+                detail = f"{type(err).__name__}: {err}".splitlines()[0]
+                cells.append(Cell(path.name, act_name, "MISMATCH", detail=f"crashed: {detail}"))
+                traceback.print_exc(file=sys.stderr)
+    return cells
+
+
+def format_table(cells: list[Cell], activation_names: list[str]) -> str:
+    """Markdown table: one row per path, one column per activation."""
+    paths = list(dict.fromkeys(c.path for c in cells))
+    lines = [
+        "| path | " + " | ".join(activation_names) + " |",
+        "|---|" + "---|" * len(activation_names),
+    ]
+    by_key = {(c.path, c.activation): c for c in cells}
+    for path in paths:
+        row = []
+        for act in activation_names:
+            c = by_key[(path, act)]
+            if c.status == "match":
+                row.append(f"match ({c.max_rel_error:.1e})")
+            elif c.status == "MISMATCH":
+                err = "" if c.max_rel_error is None else f" {c.max_rel_error:.2e}"
+                row.append(f"**MISMATCH**{err}")
+            else:
+                row.append(c.status)
+        lines.append(f"| {path} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _activation_from_args(args) -> dict:
+    kwargs = dict(activation_func=FUNCTIONS[args.activation_func])
+    if args.gated_linear_unit:
+        kwargs["gated_linear_unit"] = True
+    for field in (
+        "activation_func_clamp_value",
+        "activation_func_tanh_clamp_scale",
+        "activation_func_tanh_clamp_scale_linear",
+        "glu_linear_offset",
+    ):
+        value = getattr(args, field)
+        if value is not None:
+            kwargs[field] = value
+    return kwargs
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron.core.transformer.activation_audit", description=__doc__
+    )
+    parser.add_argument("--activation-func", choices=sorted(FUNCTIONS))
+    parser.add_argument("--gated-linear-unit", action="store_true")
+    parser.add_argument("--activation-func-clamp-value", type=float)
+    parser.add_argument("--activation-func-tanh-clamp-scale", type=float)
+    parser.add_argument("--activation-func-tanh-clamp-scale-linear", type=float)
+    parser.add_argument("--glu-linear-offset", type=float)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", help="also write the cells as JSON to this file ('-': stdout)")
+    args = parser.parse_args(argv)
+
+    if args.activation_func is None:
+        if any(
+            getattr(args, f) is not None
+            for f in ("activation_func_clamp_value", "activation_func_tanh_clamp_scale")
+        ):
+            parser.error("--activation-func is required with activation options")
+        to_run = BUILT_IN
+    else:
+        kwargs = _activation_from_args(args)
+        try:
+            name = ActivationSpec.from_config(_config(kwargs)).name
+        except ValueError as err:
+            parser.error(f"invalid activation configuration: {err}")
+        to_run = {name: kwargs}
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cells = run_audit(to_run, device, dtype)
+    print(f"activation audit: device={device} dtype={args.dtype} torch={torch.__version__}")
+    print(format_table(cells, list(to_run)))
+    for c in cells:
+        if c.status in ("refuses", "MISMATCH") and c.detail:
+            print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}")
+    if args.json:
+        payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w") as fh:
+                fh.write(payload)
+    mismatches = [c for c in cells if c.status == "MISMATCH"]
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

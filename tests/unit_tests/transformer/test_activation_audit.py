@@ -1,0 +1,76 @@
+"""The activation audit (the README's main job) on the CPU paths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer import activation_audit as audit
+from megatron.core.transformer.activation_spec import ActivationKind, ActivationSpec
+
+CPU_PATHS = [p for p in audit.all_paths() if not p.needs_te]
+
+
+@pytest.fixture(scope="module")
+def cells():
+    return audit.run_audit(audit.BUILT_IN, torch.device("cpu"), torch.float32, paths=CPU_PATHS)
+
+
+def test_builtin_set_matches_on_every_cpu_path(cells):
+    assert len(cells) == len(CPU_PATHS) * len(audit.BUILT_IN)
+    assert not [c for c in cells if c.status == "MISMATCH"]
+    matched = {(c.path, c.activation) for c in cells if c.status == "match"}
+    for path in ("MLP (unfused)", "SharedExpertMLP", "SequentialMLP"):
+        assert all((path, act) in matched for act in audit.BUILT_IN)
+    refused = [c for c in cells if c.status == "refuses"]
+    assert all(c.path == "MLP (fused kernels)" and c.detail for c in refused)
+
+
+def test_table_lists_every_cell(cells):
+    table = audit.format_table(cells, list(audit.BUILT_IN))
+    assert table.count("\n") == len(CPU_PATHS) + 1
+    assert "match (" in table and "MISMATCH" not in table
+
+
+def test_audit_detects_a_wrong_activation(monkeypatch):
+    """Teeth: a layer computing plain SwiGLU for a clamped config is reported as MISMATCH."""
+    path = CPU_PATHS[0]
+    plain = ActivationSpec(ActivationKind.SILU, gated=True)
+
+    def wrong_reference(params, x, module, probs, tpe):
+        return audit._mlp_reference(params, x, plain, module.config)
+
+    wrong = audit.Path(path.name, path.build, path.run, wrong_reference)
+    cell = audit.audit_cell(
+        wrong,
+        "clamped",
+        audit.BUILT_IN["DeepSeek-V4 clamped SwiGLU"],
+        torch.device("cpu"),
+        torch.float32,
+    )
+    assert cell.status == "MISMATCH" and cell.max_rel_error > 0.1
+
+
+def test_cli_single_activation_and_json(tmp_path, capsys):
+    out = tmp_path / "audit.json"
+    status = audit.main(
+        [
+            "--activation-func",
+            "silu",
+            "--gated-linear-unit",
+            "--activation-func-clamp-value",
+            "3",
+            "--device",
+            "cpu",
+            "--json",
+            str(out),
+        ]
+    )
+    assert status == 0
+    assert "SwiGLU(clamp=3)" in capsys.readouterr().out
+    assert '"status": "match"' in out.read_text()
+
+
+def test_cli_rejects_invalid_configuration():
+    with pytest.raises(SystemExit):
+        audit.main(["--activation-func", "silu", "--activation-func-clamp-value", "-1"])
+    assert audit.FUNCTIONS["silu"] is F.silu
