@@ -16,6 +16,7 @@ import megatron.core.transformer.mlp as mlp_module
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.activation_spec import ActivationSpec, UnsupportedActivationError
 from megatron.core.transformer.mlp import (
     FUSED_KERNEL_PATH,
@@ -156,6 +157,8 @@ def test_local_spec_parameter_count_and_forward(pg):
 
 @pytest.mark.gpu
 def test_local_spec_forward_on_gpu(pg):
+    # GPU initialization draws each shard inside the tracker's model-parallel stream.
+    model_parallel_cuda_manual_seed(123)
     config = TransformerConfig(num_layers=2, hidden_size=12, num_attention_heads=4)
     mlp = build_mlp(config, pg).cuda()
     out, out_bias = mlp(torch.ones(32, 2, 12, device="cuda"))

@@ -30,6 +30,15 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
 from tests.unit_tests.extensions.fake_te import install_fake_te
+from tests.unit_tests.test_utilities import Utils
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    # The session keeps one process group alive; MLP then expects model parallelism set up.
+    Utils.initialize_model_parallel(1, 1)
+    yield
+    Utils.destroy_model_parallel()
 
 HIDDEN, FFN = 64, 128
 DTYPE = torch.float64
