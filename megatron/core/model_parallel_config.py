@@ -1,7 +1,8 @@
 """Parallelism and precision settings shared by every megatron.core module."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 

@@ -16,7 +16,7 @@ def get_torch_version() -> PkgVersion:
 
 
 def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
-    """Whether the installed torch is at least ``version`` (strictly newer if not ``check_equality``)."""
+    """Whether torch is at least ``version`` (strictly newer when ``check_equality`` is False)."""
     if check_equality:
         return get_torch_version() >= PkgVersion(version)
     return get_torch_version() > PkgVersion(version)

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Optional
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def te_module() -> Optional[ModuleType]:
     """Returns ``transformer_engine`` with its PyTorch API loaded, or None when unusable."""
     # TE warns on every import when JAX is installed too; this project only uses the PyTorch API.

@@ -10,7 +10,7 @@ test compares against.
 
 Formulas (``g`` / ``u``: gate / linear half of the fc1 output, ``act``: the base function):
 
-* gated:     ``act(g') * (L + offset)`` with ``g' = min(g, c)`` when a clamp ``c`` is set; ``L = u``,
+* gated: ``act(g') * (L + offset)`` with ``g' = min(g, c)`` when a clamp ``c`` is set; ``L = u``,
   or ``clamp(u, -c, c)`` with a clamp, or ``s_l * tanh(u / s_l)`` with a linear tanh scale.
 * SiTU-GLU (gated SiLU with a tanh scale ``s_g``): the gate is ``s_g * tanh(g / s_g) * sigmoid(g)``;
   the sigmoid takes the *raw* gate.
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 class UnsupportedActivationError(ValueError):
     """An MLP path cannot compute the configured activation.
 
-    Raised at construction by the lowering of an :class:`ActivationSpec` to a backend, with the path,
-    the activation, the reason and what to configure instead.
+    Raised at construction by the lowering of an :class:`ActivationSpec` to a backend, naming the
+    path, the activation, the reason and what to configure instead.
     """
 
     def __init__(self, path: str, spec: ActivationSpec, reason: str, alternative: str):
@@ -146,7 +146,8 @@ class ActivationSpec:
                 value = float(value)
                 if not (math.isfinite(value) and value > 0.0):
                     raise ValueError(
-                        f"ActivationSpec.{name} must be finite and greater than zero, got {value!r}."
+                        f"ActivationSpec.{name} must be finite and greater than zero, "
+                        f"got {value!r}."
                     )
                 object.__setattr__(self, name, value)
         offset = float(self.linear_offset)

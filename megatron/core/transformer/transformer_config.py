@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +144,7 @@ class TransformerConfig(ModelParallelConfig):
     num_moe_experts: Optional[int] = None
     """Number of experts; None for a dense model."""
 
-    moe_layer_freq: Union[int, List[int]] = 1
+    moe_layer_freq: Union[int, list[int]] = 1
     """MoE layer frequency (int) or per-layer pattern (list of 0/1)."""
 
     moe_ffn_hidden_size: Optional[int] = None
@@ -303,7 +304,6 @@ class TransformerConfig(ModelParallelConfig):
     def _validate_activation(self):
         # Imported here: the fusions import nothing from the config, but keeping the dependency
         # local avoids import cycles for tools that only need the dataclass.
-        from megatron.core.activations import squared_relu
         from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
         act = self.activation_func

@@ -47,7 +47,7 @@ _naive_fwd = torch.compile(_naive_fwd_impl)
 _naive_bwd = torch.compile(_naive_bwd_impl)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _per_value(kind, direction, c):
     impl = _naive_fwd_impl if direction == "fwd" else _naive_bwd_impl
     if kind == "partial":
@@ -76,7 +76,7 @@ def _per_value(kind, direction, c):
     return torch.compile(Clamped())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _custom_op_with_float():
     """A custom op whose schema takes the clamp as a float, called from an outer compile."""
 

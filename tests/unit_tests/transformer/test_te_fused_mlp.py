@@ -40,6 +40,7 @@ def model_parallel():
     yield
     Utils.destroy_model_parallel()
 
+
 HIDDEN, FFN = 64, 128
 DTYPE = torch.float64
 
