@@ -22,6 +22,13 @@ STALE = 1e-3  # staleness shows as errors of 0.1-10; compiled-vs-eager rounding 
 ROUNDING = 1e-5  # Inductor may reassociate float32 math; the report sequence itself is exact
 
 
+def exact_bound(device):
+    # On CPU, compiled and eager agree bit for bit on the report sequence. On CUDA the Triton
+    # kernels contract multiply-adds that eager runs separately: the explicit backward differs by
+    # one float32 ulp (1.2e-7 measured on an H200), seven orders below a stale result.
+    return 0.0 if device == "cpu" else ROUNDING
+
+
 def run_module(module, *args, cache_dir, device="cpu", timeout=600):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
     env.pop("TORCH_COMPILE_DISABLE", None)
@@ -67,7 +74,7 @@ def test_report_sequence_is_exact(target, device, tmp_path):
     assert len(calls) == 3 and calls[2]["grad"]
     for call in calls:
         for key in DIFF_KEYS:
-            assert call.get(key, 0.0) == 0.0, f"{target} call {call}: {key} != 0"
+            assert call.get(key, 0.0) <= exact_bound(device), f"{target} call {call}: {key}"
 
 
 @pytest.mark.parametrize("device", devices())
@@ -75,7 +82,8 @@ def test_report_sequence_teeth(device, tmp_path):
     calls = scenario("report", "naive_float", tmp_path, device=device)
     if worst(calls) <= STALE:
         pytest.skip(f"torch {torch.__version__} no longer reproduces pytorch#194976")
-    assert worst(calls[:2]) == 0.0  # the first values compile fresh; the third is served stale
+    # The first two values compile fresh; the third is served the artifact compiled for 0.5.
+    assert worst(calls[:2]) <= exact_bound(device)
     assert calls[2]["forward_diff"] > 0.1
 
 
