@@ -204,6 +204,11 @@ class TransformerConfig(ModelParallelConfig):
     use_grouped_gemm_for_dense_mlp: bool = False
     """With the op fuser, run dense MLPs through TE grouped ops (TEFusedMLPWithGroupedLinear)."""
 
+    te_fused_recipe: Optional[str] = None
+    """Quantization recipe of the TE grouped fused ops (TEFusedMLPWithGroupedLinear,
+    FusedSharedExpertMLP): "mxfp8", "nvfp4" or "none" (unquantized, the same math as the unfused
+    MLP; the only choice on GPUs older than SM100). None: env ``FP4_RECIPE``, else "mxfp8"."""
+
     def __post_init__(self):
         super().__post_init__()
 
@@ -225,6 +230,11 @@ class TransformerConfig(ModelParallelConfig):
 
         self._validate_moe()
         self._validate_activation()
+        if self.te_fused_recipe not in (None, "mxfp8", "nvfp4", "none"):
+            raise ValueError(
+                f"te_fused_recipe={self.te_fused_recipe!r} is not a recipe; use 'mxfp8', "
+                "'nvfp4', 'none' (unquantized) or None (FP4_RECIPE, else 'mxfp8')."
+            )
 
         if self.init_method is None:
             self.init_method = init_method_normal(self.init_method_std)

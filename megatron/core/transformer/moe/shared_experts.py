@@ -30,7 +30,11 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.activation_spec import ActivationSpec
+from megatron.core.transformer.activation_spec import (
+    ActivationSpec,
+    deinterleave_glu,
+    interleave_glu,
+)
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import is_te_min_version
@@ -305,6 +309,20 @@ class SharedExpertMLP(MLP):
             set_save_original_input(self.linear_fc1)
 
 
+def _fc1_rows_to_halves(module, state_dict, prefix, local_metadata):
+    key = f"{prefix}linear_fc1.weight"
+    if key in state_dict:
+        gate, lin = deinterleave_glu(state_dict[key].t(), module.glu_interleave_size)
+        state_dict[key] = torch.cat([gate, lin], dim=-1).t().contiguous()
+
+
+def _fc1_rows_to_blocks(module, state_dict, prefix, *args):
+    key = f"{prefix}linear_fc1.weight"
+    if key in state_dict:
+        gate, lin = state_dict[key].t().chunk(2, dim=-1)
+        state_dict[key] = interleave_glu(gate, lin, module.glu_interleave_size).t().contiguous()
+
+
 class FusedSharedExpertMLP(SharedExpertMLP):
     """Shared experts as one Transformer Engine op sequence: grouped fc1, activation, grouped fc2.
 
@@ -339,7 +357,18 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         # Caches hold 1-tuples so the ops never become submodules (and never enter state_dict).
         self._fused_ops: Optional[tuple] = None
         self._unit_scales: Optional[torch.Tensor] = None
+        self._recipe: Optional[tuple] = None
         self._validate_fused_grouped_swiglu()
+        self._quantization_recipe()  # an unusable recipe fails at construction, not first forward
+        # The grouped fc1 op reads its weight rows block-interleaved ([g(k), u(k), ...]); the
+        # parent reads [gate; linear] halves. Keep the interleaved layout in memory, convert in
+        # state dicts, and make every inherited unfused step read the same layout, so weights
+        # move between the two classes unchanged and both compute the same function.
+        k = self._glu_interleave_size()
+        self.glu_interleave_size = k
+        self.activation_spec = self.activation_spec.with_interleave(k)
+        self.register_state_dict_post_hook(_fc1_rows_to_halves)
+        self.register_load_state_dict_pre_hook(_fc1_rows_to_blocks)
 
     def _validate_fused_grouped_swiglu(self) -> None:
         """Refuses at construction what the fused op sequence cannot run.
@@ -426,19 +455,30 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         )
 
     def _quantization_recipe(self):
-        config = self.config
-        recipe = te.common.recipe
-        if getattr(config, "fp4", None) and getattr(config, "fp4_recipe", "nvfp4") == "nvfp4":
-            return recipe.NVFP4BlockScaling()
-        if getattr(config, "fp8", None) and getattr(config, "fp8_recipe", None) == "mxfp8":
-            return recipe.MXFP8BlockScaling()
-        raise ValueError(
-            f"{type(self).__name__} runs with the nvfp4 (fp4) or mxfp8 (fp8) recipe only."
+        # One recipe policy for every TE grouped fused class (resolve_fused_recipe): the config's
+        # te_fused_recipe, else FP4_RECIPE, else MXFP8; "none" runs unquantized (e.g. on SM90).
+        from megatron.core.extensions.transformer_engine import (
+            make_fused_recipe,
+            resolve_fused_recipe,
         )
+
+        if self._recipe is None:
+            name = resolve_fused_recipe(self.config, path=type(self).__name__)
+            self._recipe = (make_fused_recipe(name),)
+        return self._recipe[0]
+
+    def _recipe_context(self, kind: str):
+        from megatron.core.extensions.transformer_engine import (
+            fused_recipe_autocast,
+            fused_recipe_model_init,
+        )
+
+        recipe = self._quantization_recipe()
+        return fused_recipe_model_init(recipe) if kind == "init" else fused_recipe_autocast(recipe)
 
     def _get_fused_ops(self):
         if self._fused_ops is None:
-            with te.pytorch.fp8_autocast(enabled=True, fp8_recipe=self._quantization_recipe()):
+            with self._recipe_context("init"):
                 self._fused_ops = (self._make_fused_ops(),)
         return self._fused_ops[0]
 
@@ -478,7 +518,7 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         x2d = x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         split_sizes = torch.full((1,), rows, dtype=torch.long, device=x2d.device)
-        with te.pytorch.fp8_autocast(enabled=True, fp8_recipe=self._quantization_recipe()):
+        with self._recipe_context("autocast"):
             out = fused(x2d, split_sizes, self._row_scales(rows, x2d), split_sizes)
         out = out.view(*x.shape[:-1], out.shape[-1])
         if self.config.sequence_parallel:

@@ -4,6 +4,7 @@ The fused class's numerics need a real Transformer Engine (GPU tier); here its v
 construction are checked with fake ``te`` objects, as upstream's tests do.
 """
 
+import contextlib
 import sys
 import types
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import megatron.core.transformer.moe.shared_experts as shared_experts_module
+from megatron.core.extensions.transformer_engine import TEFusedRecipeError
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.activation_spec import ActivationSpec, UnsupportedActivationError
@@ -289,6 +291,10 @@ def fake_te(monkeypatch):
 
     extension = types.ModuleType("megatron.core.extensions.transformer_engine")
     extension.lower_activation_to_te_op = lower_activation_to_te_op
+    extension.resolve_fused_recipe = lambda config, path: "none"
+    extension.make_fused_recipe = lambda name: None
+    extension.fused_recipe_model_init = lambda recipe: contextlib.nullcontext()
+    extension.fused_recipe_autocast = lambda recipe: contextlib.nullcontext()
     monkeypatch.setitem(sys.modules, extension.__name__, extension)
     te = SimpleNamespace(
         pytorch=SimpleNamespace(
@@ -370,3 +376,35 @@ def test_fused_shared_expert_ops_alias_the_linears(pg, fake_te):
             "gate_weight",
         }
     )
+
+
+def test_fused_shared_expert_state_dict_moves_weights_both_ways(pg, fake_te):
+    """Same function on the same checkpoint: the fused class keeps fc1 block-interleaved in
+    memory (the grouped op's layout) and the parent's [gate; linear] layout in state dicts."""
+    config = _fused_config()
+    plain = SharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
+    with torch.no_grad():
+        plain.linear_fc1.weight.normal_(0.0, 1.0)
+    fused = FusedSharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
+    fused.load_state_dict(plain.state_dict())
+    w = plain.linear_fc1.weight
+    assert not torch.equal(fused.linear_fc1.weight, w)  # interleaved in memory
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[key]), key
+    x = torch.randn(6, 2, HIDDEN)
+    # The inherited unfused computation reads the interleaved memory layout consistently.
+    torch.testing.assert_close(SharedExpertMLP.forward(fused, x), plain(x))
+    roundtrip = SharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
+    roundtrip.load_state_dict(fused.state_dict())
+    assert torch.equal(roundtrip.linear_fc1.weight, w)
+
+
+def test_fused_shared_expert_resolves_its_recipe_at_construction(pg, fake_te, monkeypatch):
+    def refuse(config, path):
+        raise TEFusedRecipeError(f"{path}: the 'mxfp8' recipe cannot run on this machine")
+
+    monkeypatch.setattr(
+        sys.modules["megatron.core.extensions.transformer_engine"], "resolve_fused_recipe", refuse
+    )
+    with pytest.raises(ValueError, match="FusedSharedExpertMLP: the 'mxfp8' recipe"):
+        FusedSharedExpertMLP(_fused_config(), submodules(), gate=False, pg_collection=pg)
