@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import traceback
 import warnings
@@ -36,7 +37,7 @@ from megatron.core import activations
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.activation_spec import ActivationSpec
 
-HIDDEN, FFN, EXPERTS, TOKENS = 64, 112, 4, 48
+HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
 
 # Relative tolerance (max |got - ref| / max |ref|) per compute dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -139,6 +140,7 @@ class Path:
     reference: Callable  # (params64, x64, module, probs64, tokens_per_expert) -> output
     moe_input: bool = False  # takes tokens_per_expert and per-token probabilities
     needs_te: bool = False
+    parent: Optional[Callable] = None  # builds the unfused class to compare with, if any
 
 
 def _config(kwargs, **extra):
@@ -196,7 +198,16 @@ def _mlp(cls_path, submodules, **extra):
     return build
 
 
-def _shared(cls_name, **extra):
+def _te_linear_submodules():
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(
+        linear_fc1=te_ext.TEColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+    )
+
+
+def _shared(cls_name, te_linears=False, **extra):
     def build(kwargs, device):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.moe import shared_experts
@@ -204,7 +215,7 @@ def _shared(cls_name, **extra):
         config = _config(kwargs, moe_shared_expert_intermediate_size=FFN, **extra)
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         cls = getattr(shared_experts, cls_name)
-        submodules = _te_submodules() if cls_name.startswith("Fused") else _local_submodules()
+        submodules = _te_linear_submodules() if te_linears else _local_submodules()
         return cls(config, submodules, gate=True, pg_collection=pgs).to(device)
 
     return build
@@ -268,9 +279,16 @@ def _ref_grouped(params, x, module, probs, tpe):
 
 
 def all_paths() -> list[Path]:
-    """Every path the audit knows, in table order."""
+    """Every path the audit knows, in table order.
+
+    The TE grouped fused classes run with ``te_fused_recipe="none"``: the audit checks which
+    function a path computes, and MXFP8 / NVFP4 change the numbers by design (they also need
+    SM100).
+    """
     mlp = "megatron.core.transformer.mlp.MLP"
     te = "megatron.core.extensions.transformer_engine."
+    te_mlp_parent = _mlp(mlp, _te_submodules)
+    grouped = dict(moe_grouped_gemm=True, moe_mlp_glu_interleave_size=32)
     return [
         Path("MLP (unfused)", _mlp(mlp, _local_submodules), _run_mlp, _ref_mlp),
         Path(
@@ -293,6 +311,7 @@ def all_paths() -> list[Path]:
             _run_mlp,
             _ref_mlp,
             needs_te=True,
+            parent=te_mlp_parent,
         ),
         Path(
             "TEFusedMLPWithGroupedLinear",
@@ -301,25 +320,30 @@ def all_paths() -> list[Path]:
                 _te_submodules,
                 use_transformer_engine_op_fuser=True,
                 use_grouped_gemm_for_dense_mlp=True,
+                te_fused_recipe="none",
             ),
             _run_mlp,
             _ref_mlp,
             needs_te=True,
+            parent=te_mlp_parent,
         ),
         Path(
             "FusedSharedExpertMLP",
             _shared(
                 "FusedSharedExpertMLP",
+                te_linears=True,
                 use_grouped_gemm_for_shared_expert=True,
                 moe_shared_expert_glu_interleave_size=32,
+                te_fused_recipe="none",
             ),
             _run_shared,
             _ref_shared,
             needs_te=True,
+            parent=_shared("SharedExpertMLP", te_linears=True),
         ),
         Path(
             "TEGroupedMLP (unfused)",
-            _experts("TEGroupedMLP", True, moe_grouped_gemm=True),
+            _experts("TEGroupedMLP", True, **grouped),
             _run_experts,
             _ref_grouped,
             moe_input=True,
@@ -327,17 +351,12 @@ def all_paths() -> list[Path]:
         ),
         Path(
             "TEGroupedMLP (TE ops)",
-            _experts(
-                "TEGroupedMLP",
-                True,
-                moe_grouped_gemm=True,
-                use_transformer_engine_op_fuser=True,
-                moe_mlp_glu_interleave_size=32,
-            ),
+            _experts("TEGroupedMLP", True, use_transformer_engine_op_fuser=True, **grouped),
             _run_experts,
             _ref_grouped,
             moe_input=True,
             needs_te=True,
+            parent=_experts("TEGroupedMLP", True, **grouped),
         ),
     ]
 
@@ -358,14 +377,43 @@ def _max_rel(got, ref):
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
 
 
+def _run(path, module, x, probs, tpe, grad=None, generator=None):
+    x_in = x.clone().requires_grad_()
+    out = path.run(module, x_in, probs, tpe)
+    if grad is None:
+        grad = torch.randn(out.shape, generator=generator).to(device=x.device, dtype=out.dtype)
+    out.backward(grad)
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    return out, x_in.grad, grads, grad
+
+
+def _errors(out, dx, grads, ref_out, ref_dx, ref_grads) -> dict:
+    errors = {"output": _max_rel(out, ref_out), "dx": _max_rel(dx, ref_dx)}
+    for name, got in grads.items():
+        expected = ref_grads.get(name)
+        if got is None or expected is None:
+            if (got is None) != (expected is None):
+                errors[f"d{name}"] = math.inf
+            continue
+        errors[f"d{name}"] = _max_rel(got, expected)
+    return errors
+
+
 def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
-    """Builds one path for one activation and compares it with the float64 reference."""
+    """Builds one path for one activation and checks what it computes.
+
+    Paths with an unfused parent (the TE fused classes) are compared with that parent on the
+    same weights, loaded through ``state_dict``: both run the same linears, so any difference is
+    the activation (or the weight layout). Every other path is compared with the float64
+    reference evaluated on the layer's weights.
+    """
     from megatron.core.transformer.activation_spec import UnsupportedActivationError
 
+    refusals = (ValueError, RuntimeError, NotImplementedError, AssertionError)
     torch.manual_seed(1234)
     try:
         module = path.build(kwargs, device)
-    except (ValueError, RuntimeError, NotImplementedError, UnsupportedActivationError) as err:
+    except (*refusals, UnsupportedActivationError) as err:
         return Cell(path.name, act_name, "refuses", detail=str(err).splitlines()[0])
     module = module.to(dtype)
     _scale_fc1(module)
@@ -373,27 +421,28 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
     x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device=device, dtype=dtype)
     probs = torch.rand(TOKENS, 1, generator=gen).to(device=device, dtype=torch.float32)
     tpe = [TOKENS // 2, 0, TOKENS // 4, TOKENS - TOKENS // 2 - TOKENS // 4]
-    x_in = x.clone().requires_grad_()
-    out = path.run(module, x_in, probs, tpe)
-    grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
-    out.backward(grad)
+    out, dx, grads, grad = _run(path, module, x, probs, tpe, generator=gen)
 
-    params64 = {name: p.detach().double().requires_grad_() for name, p in module.named_parameters()}
-    x64 = x.double().requires_grad_()
-    ref = path.reference(params64, x64, module, probs.double(), tpe)
-    ref.backward(grad.double())
-
-    errors = {"output": _max_rel(out, ref), "dx": _max_rel(x_in.grad, x64.grad)}
-    for name, p in module.named_parameters():
-        if params64[name].grad is None or p.grad is None:
-            if (params64[name].grad is None) != (p.grad is None):
-                errors[f"d{name}"] = math.inf
-            continue
-        errors[f"d{name}"] = _max_rel(p.grad, params64[name].grad)
+    if path.parent is not None:
+        parent = path.parent(kwargs, device).to(dtype)
+        parent.load_state_dict(module.state_dict())
+        p_out, p_dx, p_grads, _ = _run(path, parent, x, probs, tpe, grad=grad)
+        errors = _errors(out, dx, grads, p_out, p_dx, p_grads)
+        against = f"vs {type(parent).__name__} on the same weights"
+    else:
+        params64 = {
+            name: p.detach().double().requires_grad_() for name, p in module.named_parameters()
+        }
+        x64 = x.double().requires_grad_()
+        ref = path.reference(params64, x64, module, probs.double(), tpe)
+        ref.backward(grad.double())
+        ref_grads = {name: p.grad for name, p in params64.items()}
+        errors = _errors(out, dx, grads, ref, x64.grad, ref_grads)
+        against = "vs the float64 reference"
     worst_name = max(errors, key=errors.get)
     worst = errors[worst_name]
     status = "match" if worst <= TOLERANCE[dtype] else "MISMATCH"
-    return Cell(path.name, act_name, status, worst, f"worst: {worst_name}")
+    return Cell(path.name, act_name, status, worst, f"{against}; worst: {worst_name}")
 
 
 def _init_single_process_world(device):
@@ -506,6 +555,10 @@ def main(argv=None) -> int:
             parser.error(f"invalid activation configuration: {err}")
         to_run = {name: kwargs}
 
+    # Full-precision float32 GEMMs in every NVIDIA library (cuBLAS inside TE would otherwise
+    # use TF32), so float32 comparisons measure the activation, not the matmul precision. Set
+    # before any CUDA work; an explicit setting in the environment wins.
+    os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cells = run_audit(to_run, device, dtype)
     print(f"activation audit: device={device} dtype={args.dtype} torch={torch.__version__}")
