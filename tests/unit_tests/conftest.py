@@ -7,6 +7,16 @@ import os
 import pytest
 import torch
 
+from megatron.core import jit
+
+# Tests run megatron's @jit_fuser functions eagerly unless MEGATRON_TEST_JIT=1: on a 2-core CI
+# machine, compiling every activation for every dtype and shape would dominate the run. Compiled
+# code is still tested, explicitly: the use_compile axes (`use_compiled_kernels(True)`) and the
+# compile-safety scenarios, which start fresh interpreters with the default (compiling) jit_fuser.
+# This runs before any test module imports the decorated functions.
+if os.environ.get("MEGATRON_TEST_JIT", "0") != "1":
+    jit.disable_jit_fuser()
+
 
 def pytest_configure(config):
     # One NCCL channel keeps small test collectives cheap; NVLink SHARP (NVLS) multicast is
