@@ -80,6 +80,10 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     """
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     params = params_tensor(spec_params(spec), x.device)
+    # The kernels work on rows; any leading shape is flattened here and restored on the way out.
+    ctx.input_shape = x.shape
+    ctx.probs_shape = probs.shape if probs is not None else None
+    x, probs = _flatten(x, probs)
     out = forward_kernel(variant)(x, bias, probs, params)
     stored = x.to(FP8_STORE_DTYPE) if fp8_input_store else x
     if cpu_offload_input:
@@ -92,18 +96,22 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     ctx.params = params
     ctx.variant = variant
     ctx.input_dtype = x.dtype
-    return out
+    return out.view(*ctx.input_shape[:-1], out.shape[-1])
 
 
 def saved_backward(ctx, grad):
     """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
-    return backward_kernel(ctx.variant)(grad.contiguous(), x, bias, probs, ctx.params)
+    grad2d = grad.reshape(x.shape[0], -1).contiguous()
+    dx, dbias, dprobs = backward_kernel(ctx.variant)(grad2d, x, bias, probs, ctx.params)
+    if dprobs is not None:
+        dprobs = dprobs.view(ctx.probs_shape)
+    return dx.view(ctx.input_shape), dbias, dprobs
 
 
 class FusedActivationFunction(torch.autograd.Function):
-    """Autograd wrapper of the activation kernels on 2-D inputs (see :func:`save_and_forward`)."""
+    """Autograd wrapper of the activation kernels (see :func:`save_and_forward`)."""
 
     @staticmethod
     def forward(ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input):
@@ -163,8 +171,5 @@ def fused_activation(
     width = x.shape[-1]
     if bias is not None and tuple(bias.shape) != (width,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match input width {width}.")
-    x2d, probs2d = _flatten(x, probs)
-    out = FusedActivationFunction.apply(
-        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input
-    )
-    return out.view(*x.shape[:-1], out.shape[-1])
+    _flatten(x, probs)  # validates the row counts before autograd records anything
+    return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)

@@ -113,10 +113,34 @@ def test_glu_interleave_matches_reference(name, use_compile):
 @pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
 def test_three_dim_input_keeps_leading_shape(use_compile):
     spec = SPECS["swiglu_clamp"]
-    x = torch.randn(5, 3, 16) * 3
+    x = (torch.randn(5, 3, 16) * 3).requires_grad_()
+    b = torch.randn(16, requires_grad=True)
+    probs = torch.rand(5, 3, requires_grad=True)
+    grad = torch.randn(5, 3, 8)
     with use_compiled_kernels(use_compile):
-        out = fused_activation(x, spec, probs=torch.rand(5, 3))
+        out = fused_activation(x, spec, bias=b, probs=probs)
+        out.backward(grad)
     assert out.shape == (5, 3, 8)
+    leaves = [t.detach().double().requires_grad_() for t in (x, b, probs)]
+    ref = spec.reference(leaves[0], bias=leaves[1], probs=leaves[2].unsqueeze(-1))
+    ref.backward(grad.double())
+    assert_close_to_reference(out, ref, torch.float32, "3-D out")
+    for got, leaf in zip((x.grad, b.grad, probs.grad), leaves):
+        assert got.shape == leaf.shape
+        assert_close_to_reference(got, leaf.grad, torch.float32, "3-D grad")
+
+
+def test_upstream_functions_accept_three_dim_inputs():
+    from megatron.core.fusions.fused_bias_swiglu import BiasSwiGLUFunction
+
+    x = (torch.randn(4, 2, 16) * 3).requires_grad_()
+    b = torch.randn(16, requires_grad=True)
+    with use_compiled_kernels(False):
+        BiasSwiGLUFunction.apply(x, b, False, False, 1.5).sum().backward()
+    xr, br = x.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    SPECS["swiglu_clamp"].reference(xr, bias=br).sum().backward()
+    assert_close_to_reference(b.grad, br.grad, torch.float32, "dbias")
+    assert_close_to_reference(x.grad, xr.grad, torch.float32, "dx")
 
 
 def test_clamps_are_hit_by_test_inputs():
@@ -183,7 +207,9 @@ def test_cpu_offload_tags_saved_input():
     x = torch.randn(4, 8, requires_grad=True)
     with use_compiled_kernels(False):
         out = fused_activation(x, spec, cpu_offload_input=True)
-    node = out.grad_fn.next_functions[0][0]  # out is a view of the Function's output
+    node = out.grad_fn
+    while not hasattr(node, "saved_tensors"):  # skip view nodes between out and the Function
+        node = node.next_functions[0][0]
     assert getattr(node.saved_tensors[0], "activation_offloading", False)
 
 
