@@ -51,7 +51,7 @@ def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *,
     """Raw backward kernel on any-rank inputs: ``(dx, dbias or None, dprobs or None)``."""
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     x2d, probs2d = _flatten(x, probs)
-    grad2d = grad.reshape(x2d.shape[0], -1)
+    grad2d = grad.reshape(x2d.shape[0], grad.shape[-1])
     params = params_tensor(spec_params(spec), x.device)
     fn = backward_math_fn(variant) if eager else backward_kernel(variant)
     dx, dbias, dprobs = fn(grad2d, x2d, bias, probs2d, params)
@@ -103,7 +103,7 @@ def saved_backward(ctx, grad):
     """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
-    grad2d = grad.reshape(x.shape[0], -1).contiguous()
+    grad2d = grad.reshape(x.shape[0], grad.shape[-1]).contiguous()
     dx, dbias, dprobs = backward_kernel(ctx.variant)(grad2d, x, bias, probs, ctx.params)
     if dprobs is not None:
         dprobs = dprobs.view(ctx.probs_shape)

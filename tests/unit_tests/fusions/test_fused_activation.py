@@ -227,3 +227,14 @@ def test_shape_errors_are_clear():
         fused_activation(torch.randn(2, 4), spec, probs=torch.ones(3, 1))
     with pytest.raises(ValueError, match="bias of shape"):
         fused_activation(torch.randn(2, 4), spec, bias=torch.ones(3))
+
+
+@pytest.mark.parametrize("use_compile", [False, True], ids=["eager", "compiled"])
+def test_zero_rows(use_compile):
+    # An expert that receives no tokens still runs its activation on an empty batch.
+    x = torch.empty(0, 16, requires_grad=True)
+    probs = torch.empty(0, 1, requires_grad=True)
+    with use_compiled_kernels(use_compile):
+        out = fused_activation(x, SPECS["swiglu_clamp"], bias=torch.zeros(16), probs=probs)
+        out.sum().backward()
+    assert out.shape == (0, 8) and x.grad.shape == (0, 16) and probs.grad.shape == (0, 1)
