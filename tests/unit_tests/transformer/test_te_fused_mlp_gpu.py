@@ -294,6 +294,54 @@ def test_refusals_at_construction_with_real_te(unquantized, cls, activation):
     assert ActivationSpec.from_config(config).name in str(info.value)
 
 
+SHARED_CASES = ["swiglu", "swiglu_clamp", "situ_glu", "quick_geglu_gpt_oss"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("activation", SHARED_CASES)
+def test_fused_shared_expert_matches_shared_expert(activation, dtype):
+    """FusedSharedExpertMLP (recipe "none") vs SharedExpertMLP on the same checkpoint."""
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
+        TERowParallelLinear,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.shared_experts import (
+        FusedSharedExpertMLP,
+        SharedExpertMLP,
+    )
+
+    config = make_config(
+        activation,
+        dtype,
+        num_moe_experts=4,
+        moe_shared_expert_intermediate_size=128,
+        moe_shared_expert_glu_interleave_size=32,
+        use_grouped_gemm_for_shared_expert=True,
+        te_fused_recipe="none",
+    )
+    linears = MLPSubmodules(linear_fc1=TEColumnParallelLinear, linear_fc2=TERowParallelLinear)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    plain = SharedExpertMLP(config, linears, gate=True, pg_collection=pgs).cuda()
+    fused = FusedSharedExpertMLP(config, linears, gate=True, pg_collection=pgs).cuda()
+    with torch.no_grad():
+        plain.linear_fc1.weight.normal_(0.0, 1.0)  # fc1 outputs with std ~8
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(32, 2, HIDDEN, device="cuda", dtype=dtype)
+    x_f, x_p = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_f, out_p = fused(x_f), plain(x_p)
+    grad = torch.randn_like(out_p)
+    out_f.backward(grad)
+    out_p.backward(grad)
+    errors = {"out": norm_rel_error(out_f, out_p), "dx": norm_rel_error(x_f.grad, x_p.grad)}
+    grads_p = dict(plain.named_parameters())
+    for name, param in fused.named_parameters():
+        got = _fc1_in_mlp_layout(name, param.grad, 32)
+        errors[f"d{name}"] = norm_rel_error(got, grads_p[name].grad)
+    RESULTS[("FusedSharedExpertMLP", activation, dtype)] = max(errors.values())
+    _check(errors, MLP_MATCH[dtype], f"FusedSharedExpertMLP {activation} {DTYPE_IDS[dtype]}")
+
+
 # ---------------------------------------------------------------- the PR reproducer contract
 
 
