@@ -296,3 +296,80 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
 def run_op(op, x: torch.Tensor, scales=None) -> torch.Tensor:
     """Runs a fake activation op (scaled ops need ``scales``)."""
     return op(x, scales) if op.num_extra_inputs else op(x)
+
+
+# --------------------------------------------------------------------- TE-free linear layers
+
+
+def _bias_param(size, bias, dtype):
+    # TE exposes an empty tensor, not None, as the bias of a bias-free layer.
+    data = 0.1 * torch.randn(size, dtype=dtype) if bias else torch.empty(0, dtype=dtype)
+    return torch.nn.Parameter(data)
+
+
+class CpuLinear(torch.nn.Module):
+    """What the fused classes read from a TE linear wrapper, without TE."""
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, **kw):
+        super().__init__()
+        dtype = config.params_dtype
+        self.te_return_bias = bool(skip_bias_add and bias)
+        self.fuse_wgrad_accumulation = False
+        self.sequence_parallel = False
+        self.tp_group = kw.get("tp_group")
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
+        init_method(self.weight)
+        self.bias = _bias_param(output_size, bias, dtype)
+
+    def _linear(self, x):
+        out = F.linear(x, self.weight)
+        bias = self.bias if self.bias.numel() else None
+        if self.te_return_bias:
+            return out, bias
+        return (out + bias if bias is not None else out), None
+
+    def forward(self, x):
+        return self._linear(x)
+
+
+class CpuLayerNormLinear(CpuLinear):
+    """Stand-in for TELayerNormColumnParallelLinear: the norm, then the linear."""
+
+    def __init__(self, input_size, output_size, *, config, **kw):
+        super().__init__(input_size, output_size, config=config, **kw)
+        dtype = config.params_dtype
+        self.normalization = config.normalization
+        self.eps = config.layernorm_epsilon
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        self.layer_norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(input_size, dtype=dtype))
+        if self.normalization == "LayerNorm":
+            self.layer_norm_bias = torch.nn.Parameter(0.1 * torch.randn(input_size, dtype=dtype))
+        else:
+            self.layer_norm_bias = None
+
+    def forward(self, x):
+        if self.normalization == "LayerNorm":
+            h = F.layer_norm(
+                x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
+            )
+        else:
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.layer_norm_weight
+        return self._linear(h)
+
+
+class CpuColumnLinear(CpuLinear):
+    pass
+
+
+class CpuRowLinear(CpuLinear):
+    pass
+
+
+def install_fake_te_with_cpu_linears(monkeypatch, version: str = "2.20.2", **kwargs):
+    """:func:`install_fake_te`, and the TE linear wrappers replaced by the CPU linears above, so
+    the TE fused classes build and run end to end on a CPU."""
+    monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", CpuLayerNormLinear)
+    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", CpuColumnLinear)
+    monkeypatch.setattr(te_ext, "TERowParallelLinear", CpuRowLinear)
+    monkeypatch.delenv("FP4_RECIPE", raising=False)
+    return install_fake_te(monkeypatch, version, **kwargs)

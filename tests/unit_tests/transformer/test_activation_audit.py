@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer import activation_audit as audit
 from megatron.core.transformer.activation_spec import ActivationKind, ActivationSpec
+from tests.unit_tests.extensions.fake_te import install_fake_te_with_cpu_linears
 
 CPU_PATHS = [p for p in audit.all_paths() if not p.needs_te]
 
@@ -74,3 +75,49 @@ def test_cli_rejects_invalid_configuration():
     with pytest.raises(SystemExit):
         audit.main(["--activation-func", "silu", "--activation-func-clamp-value", "-1"])
     assert audit.FUNCTIONS["silu"] is F.silu
+
+
+# The TE paths, on CPU: fake TE ops computing te-ops.md's formulas and TE-free linears.
+# Checks the audit's parent comparison end to end.
+TE_DENSE = ("TEFusedMLP", "TEFusedMLPWithGroupedLinear")
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    return install_fake_te_with_cpu_linears(monkeypatch)
+
+
+def _te_cells(names=TE_DENSE):
+    audit._init_single_process_world(torch.device("cpu"))
+    paths = [p for p in audit.all_paths() if p.name in names]
+    return [
+        audit.audit_cell(path, act, kwargs, torch.device("cpu"), torch.float32)
+        for path in paths
+        for act, kwargs in audit.BUILT_IN.items()
+    ]
+
+
+def test_te_fused_classes_match_their_parents_with_fake_te(fake_te):
+    cells = _te_cells()
+    assert not [c for c in cells if c.status == "MISMATCH"], cells
+    matched = [c for c in cells if c.status == "match"]
+    assert {c.path for c in matched} == set(TE_DENSE)
+    assert all("vs MLP on the same weights" in c.detail for c in matched)
+    # TEFusedMLP has no op for a non-row-scaled tanh-clamped squared ReLU: refused, with reason.
+    refused = {(c.path, c.activation) for c in cells if c.status == "refuses"}
+    assert ("TEFusedMLP", "squared-ReLU + tanh clamp") in refused
+
+
+def test_te_audit_detects_a_fused_class_that_ignores_the_clamp(fake_te):
+    """Teeth: the upstream bug (ClampedSwiGLU lowered but plain SwiGLU computed) is a MISMATCH."""
+    fake_te.pytorch.ops.ClampedSwiGLU = fake_te.pytorch.ops.SwiGLU
+    path = next(p for p in audit.all_paths() if p.name == "TEFusedMLP")
+    audit._init_single_process_world(torch.device("cpu"))
+    cell = audit.audit_cell(
+        path,
+        "clamped",
+        audit.BUILT_IN["DeepSeek-V4 clamped SwiGLU"],
+        torch.device("cpu"),
+        torch.float32,
+    )
+    assert cell.status == "MISMATCH" and cell.max_rel_error > 0.1

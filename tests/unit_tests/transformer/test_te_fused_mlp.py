@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import megatron.core.extensions.transformer_engine as te_ext
 from megatron.core.transformer import mlp as mlp_module
@@ -29,7 +28,13 @@ from megatron.core.transformer.activation_spec import (
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
-from tests.unit_tests.extensions.fake_te import install_fake_te
+from tests.unit_tests.extensions.fake_te import (
+    CpuColumnLinear,
+    CpuLayerNormLinear,
+    CpuRowLinear,
+    install_fake_te,
+    install_fake_te_with_cpu_linears,
+)
 from tests.unit_tests.test_utilities import Utils
 
 
@@ -44,84 +49,13 @@ def model_parallel():
 HIDDEN, FFN = 64, 128
 DTYPE = torch.float64
 
-# --------------------------------------------------------------------- TE-free linear layers
-
-
-def _bias_param(size, bias, dtype):
-    # TE exposes an empty tensor, not None, as the bias of a bias-free layer.
-    data = 0.1 * torch.randn(size, dtype=dtype) if bias else torch.empty(0, dtype=dtype)
-    return torch.nn.Parameter(data)
-
-
-class CpuLinear(torch.nn.Module):
-    """What the fused classes read from a TE linear wrapper, without TE."""
-
-    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, **kw):
-        super().__init__()
-        dtype = config.params_dtype
-        self.te_return_bias = bool(skip_bias_add and bias)
-        self.fuse_wgrad_accumulation = False
-        self.sequence_parallel = False
-        self.tp_group = kw.get("tp_group")
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
-        init_method(self.weight)
-        self.bias = _bias_param(output_size, bias, dtype)
-
-    def _linear(self, x):
-        out = F.linear(x, self.weight)
-        bias = self.bias if self.bias.numel() else None
-        if self.te_return_bias:
-            return out, bias
-        return (out + bias if bias is not None else out), None
-
-    def forward(self, x):
-        return self._linear(x)
-
-
-class CpuLayerNormLinear(CpuLinear):
-    """Stand-in for TELayerNormColumnParallelLinear: the norm, then the linear."""
-
-    def __init__(self, input_size, output_size, *, config, **kw):
-        super().__init__(input_size, output_size, config=config, **kw)
-        dtype = config.params_dtype
-        self.normalization = config.normalization
-        self.eps = config.layernorm_epsilon
-        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
-        self.layer_norm_weight = torch.nn.Parameter(1 + 0.1 * torch.randn(input_size, dtype=dtype))
-        if self.normalization == "LayerNorm":
-            self.layer_norm_bias = torch.nn.Parameter(0.1 * torch.randn(input_size, dtype=dtype))
-        else:
-            self.layer_norm_bias = None
-
-    def forward(self, x):
-        if self.normalization == "LayerNorm":
-            h = F.layer_norm(
-                x, x.shape[-1:], self.layer_norm_weight, self.layer_norm_bias, self.eps
-            )
-        else:
-            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.layer_norm_weight
-        return self._linear(h)
-
-
-class CpuColumnLinear(CpuLinear):
-    pass
-
-
-class CpuRowLinear(CpuLinear):
-    pass
-
-
 SUBMODULES = MLPSubmodules(linear_fc1=CpuLayerNormLinear, linear_fc2=CpuRowLinear)
 
 
 @pytest.fixture
 def fake_te(monkeypatch):
     """Fake TE 2.20.2; the fused classes accept the CPU linears as TE wrappers."""
-    monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", CpuLayerNormLinear)
-    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", CpuColumnLinear)
-    monkeypatch.setattr(te_ext, "TERowParallelLinear", CpuRowLinear)
-    monkeypatch.delenv("FP4_RECIPE", raising=False)
-    return install_fake_te(monkeypatch)
+    return install_fake_te_with_cpu_linears(monkeypatch)
 
 
 def make_config(activation="swiglu_clamp", **overrides) -> TransformerConfig:
