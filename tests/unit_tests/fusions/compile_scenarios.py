@@ -133,6 +133,10 @@ def _entry(target):
             return sw.weighted_bias_swiglu_impl(y, None, w, clamp_value=c)
 
         return fn, eager(fn), None, None
+    if target == "outer_compile":
+        # A user's torch.compile around our entry point, the clamp a float argument of theirs.
+        fn = torch.compile(lambda y, c: sw.bias_swiglu_impl(y, None, clamp_value=c))
+        return fn, eager(lambda y, c: sw.bias_swiglu_impl(y, None, clamp_value=c)), None, None
     if target == "naive_float":
         return _naive_fwd, _naive_fwd_impl, _naive_bwd, _naive_bwd_impl
     if target == "custom_op_float":

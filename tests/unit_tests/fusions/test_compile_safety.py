@@ -106,6 +106,13 @@ def test_floats_in_closures_partials_and_attributes_are_not_fixes(target, tmp_pa
     assert worst(calls) > 0.1
 
 
+def test_outer_compile_around_our_entry_point_is_not_stale(tmp_path):
+    # The float is the caller's; it reaches our params tensor outside any graph (the tensor is
+    # built under torch.compiler.disable), so the caller's graphs cannot bake it in.
+    calls = scenario("values", "outer_compile", tmp_path)
+    assert worst(calls) <= ROUNDING
+
+
 def test_custom_op_with_float_argument_recompiles_per_value(tmp_path):
     calls = scenario("values", "custom_op_float", tmp_path)
     assert worst(calls) <= ROUNDING
