@@ -125,6 +125,12 @@ class FusedActivationFunction(torch.autograd.Function):
         return dx, dbias, dprobs, None, None, None
 
 
+def check_impl_input(input: torch.Tensor) -> None:
+    """The upstream ``*_impl`` entry points take ``[tokens, width]`` or ``[seq, batch, width]``."""
+    if input.dim() not in (2, 3):
+        raise ValueError(f"expected a 2-D or 3-D activation input, got shape {tuple(input.shape)}")
+
+
 def lower_to_fused_kernel(spec: ActivationSpec, path: str) -> ActivationSpec:
     """Checks that the fused kernels can compute ``spec``; returns it unchanged.
 

@@ -16,6 +16,7 @@ import torch
 from megatron.core.fusions.fused_activation import (
     activation_backward,
     activation_forward,
+    check_impl_input,
     fused_activation,
     save_and_forward,
     saved_backward,
@@ -89,14 +90,9 @@ class GeGLUFunction(torch.autograd.Function):
         return saved_backward(ctx, grad_output)[0]
 
 
-def _check_rank(input):
-    if input.dim() not in (2, 3):
-        raise ValueError(f"expected a 2-D or 3-D activation input, got shape {tuple(input.shape)}")
-
-
 def bias_geglu_impl(input, bias):
     """Fused GEGLU (tanh GELU) of ``input (+ bias)``; ``[N|s,b, 2F] -> [N|s,b, F]``."""
-    _check_rank(input)
+    check_impl_input(input)
     return fused_activation(input, GEGLU, bias=bias)
 
 
@@ -191,6 +187,6 @@ def weighted_bias_quick_geglu_impl(
         linear_offset: Added to the linear half after clamping.
         clamp_value: Optional clamp ``c > 0``.
     """
-    _check_rank(input)
+    check_impl_input(input)
     spec = quick_geglu_spec(linear_offset, clamp_value)
     return fused_activation(input, spec, bias=bias, probs=weights, fp8_input_store=fp8_input_store)

@@ -24,6 +24,7 @@ import torch
 from megatron.core.fusions.fused_activation import (
     activation_backward,
     activation_forward,
+    check_impl_input,
     fused_activation,
     save_and_forward,
     saved_backward,
@@ -202,11 +203,6 @@ class WeightedSwiGLUFunction(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- entry points
-def _check_rank(input):
-    if input.dim() not in (2, 3):
-        raise ValueError(f"expected a 2-D or 3-D activation input, got shape {tuple(input.shape)}")
-
-
 def bias_swiglu_impl(
     input,
     bias,
@@ -230,7 +226,7 @@ def bias_swiglu_impl(
     Returns:
         ``[N, F]`` or ``[s, b, F]`` in ``input.dtype``.
     """
-    _check_rank(input)
+    check_impl_input(input)
     spec = swiglu_spec(clamp_value, gate_clamp_scale, linear_clamp_scale)
     return fused_activation(
         input,
@@ -255,7 +251,7 @@ def weighted_bias_swiglu_impl(
     Raises:
         NotImplementedError: if ``bias`` is not None (as upstream).
     """
-    _check_rank(input)
+    check_impl_input(input)
     if bias is not None:
         raise NotImplementedError("Bias is not supported for weighted swiglu fusion")
     spec = swiglu_spec(clamp_value, gate_clamp_scale, linear_clamp_scale)

@@ -12,6 +12,7 @@ import torch
 from megatron.core.fusions.fused_activation import (
     activation_backward,
     activation_forward,
+    check_impl_input,
     fused_activation,
     save_and_forward,
     saved_backward,
@@ -60,7 +61,6 @@ def weighted_squared_relu_impl(input, weights, clamp_scale=None):
         weights: ``[N, 1]`` per-row weights, or None for no weighting.
         clamp_scale: Tanh soft-clamp scale ``s > 0`` or None.
     """
-    if input.dim() not in (2, 3):
-        raise ValueError(f"expected a 2-D or 3-D activation input, got shape {tuple(input.shape)}")
+    check_impl_input(input)
     spec = ActivationSpec(ActivationKind.SQUARED_RELU, gate_tanh_scale=clamp_scale)
     return fused_activation(input, spec, probs=weights)
