@@ -40,6 +40,7 @@ from megatron.core.transformer.mlp import (
     TE_MODULE_PATH,
     UNFUSED_PATH,
     MLPSubmodules,
+    _child_name,
     select_activation_path,
 )
 from megatron.core.transformer.module import MegatronModule
@@ -77,10 +78,6 @@ class GroupedMLPSubmodules:
     linear_fc1: Union[ModuleSpec, type, None] = None
     linear_fc2: Union[ModuleSpec, type, None] = None
     activation_func: Union[ModuleSpec, type, None] = None
-
-
-def _child_name(name: Optional[str], child: str) -> Optional[str]:
-    return f"{name}.{child}" if name else None
 
 
 def _split_sizes(tokens_per_expert: Union[torch.Tensor, Sequence[int]]) -> list[int]:
