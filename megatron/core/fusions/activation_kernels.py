@@ -235,11 +235,6 @@ def backward_math(v: KernelVariant, grad, x, bias, probs, params):
 _compile_enabled = jit.jit_fuser is torch.compile
 
 
-def compile_enabled() -> bool:
-    """Whether the kernels run through ``torch.compile`` (follows ``megatron.core.jit``)."""
-    return _compile_enabled
-
-
 @contextlib.contextmanager
 def use_compiled_kernels(enabled: bool):
     """Temporarily runs the kernels compiled (``True``) or eagerly (``False``); for tests."""

@@ -12,9 +12,11 @@ For each activation and each path (unfused ``MLP``, ``MLP`` with fused kernels, 
 ``TEFusedMLPWithGroupedLinear``, ``FusedSharedExpertMLP`` and ``TEGroupedMLP``) it builds the
 layer from a ``TransformerConfig``, scales the fc1 weights so pre-activations hit the clamps, runs
 forward and backward, and compares the output, the input gradient and every parameter gradient
-with a float64 evaluation of ``ActivationSpec.reference`` on the same weights. Each cell of the
-printed table is ``match`` (max relative error), ``refuses`` (the construction-time error), or
-``MISMATCH``; the exit status is 1 if any cell is a mismatch.
+with a float64 evaluation of ``ActivationSpec.reference`` on the same weights (max |error| over
+max |reference|). The TE fused classes are compared with their unfused parent class on the same
+weights instead (||error|| / ||parent||), which isolates the activation from TE's GEMMs. Each
+cell of the printed table is ``match`` (worst error), ``refuses`` (the construction-time error),
+or ``MISMATCH``; the exit status is 1 if any cell is a mismatch.
 """
 
 from __future__ import annotations
@@ -138,7 +140,6 @@ class Path:
     build: Callable  # (config_kwargs, device) -> module
     run: Callable  # (module, x, probs, tokens_per_expert) -> output
     reference: Callable  # (params64, x64, module, probs64, tokens_per_expert) -> output
-    moe_input: bool = False  # takes tokens_per_expert and per-token probabilities
     needs_te: bool = False
     parent: Optional[Callable] = None  # builds the unfused class to compare with, if any
 
@@ -303,7 +304,6 @@ def all_paths() -> list[Path]:
             _experts("SequentialMLP", False),
             _run_experts,
             _ref_sequential,
-            moe_input=True,
         ),
         Path(
             "TEFusedMLP",
@@ -346,7 +346,6 @@ def all_paths() -> list[Path]:
             _experts("TEGroupedMLP", True, **grouped),
             _run_experts,
             _ref_grouped,
-            moe_input=True,
             needs_te=True,
         ),
         Path(
@@ -354,7 +353,6 @@ def all_paths() -> list[Path]:
             _experts("TEGroupedMLP", True, use_transformer_engine_op_fuser=True, **grouped),
             _run_experts,
             _ref_grouped,
-            moe_input=True,
             needs_te=True,
             parent=_experts("TEGroupedMLP", True, **grouped),
         ),
@@ -387,15 +385,22 @@ def _run(path, module, x, probs, tpe, grad=None, generator=None):
     return out, x_in.grad, grads, grad
 
 
-def _errors(out, dx, grads, ref_out, ref_dx, ref_grads) -> dict:
-    errors = {"output": _max_rel(out, ref_out), "dx": _max_rel(dx, ref_dx)}
+def _norm_rel(got, ref):
+    got, ref = got.detach().double(), ref.detach().double()
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def _errors(out, dx, grads, ref_out, ref_dx, ref_grads, metric=_max_rel) -> dict:
+    errors = {"output": metric(out, ref_out), "dx": metric(dx, ref_dx)}
     for name, got in grads.items():
         expected = ref_grads.get(name)
         if got is None or expected is None:
             if (got is None) != (expected is None):
                 errors[f"d{name}"] = math.inf
             continue
-        errors[f"d{name}"] = _max_rel(got, expected)
+        errors[f"d{name}"] = metric(got, expected)
     return errors
 
 
@@ -427,7 +432,9 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
         parent = path.parent(kwargs, device).to(dtype)
         parent.load_state_dict(module.state_dict())
         p_out, p_dx, p_grads, _ = _run(path, parent, x, probs, tpe, grad=grad)
-        errors = _errors(out, dx, grads, p_out, p_dx, p_grads)
+        # ||a - b|| / ||b||, the fused-MLP PR's metric: the grouped GEMMs accumulate in another
+        # order than the parent's, which moves single elements by ~1e-5 of the largest.
+        errors = _errors(out, dx, grads, p_out, p_dx, p_grads, metric=_norm_rel)
         against = f"vs {type(parent).__name__} on the same weights"
     else:
         params64 = {

@@ -20,6 +20,7 @@ Formulas (``g`` / ``u``: gate / linear half of the fc1 output, ``act``: the base
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Callable
@@ -205,7 +206,7 @@ class ActivationSpec:
 
     def with_interleave(self, glu_interleave_size: Optional[int]) -> ActivationSpec:
         """Returns a copy with another GLU layout (same math)."""
-        return _replace(self, glu_interleave_size=glu_interleave_size)
+        return dataclasses.replace(self, glu_interleave_size=glu_interleave_size)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -314,12 +315,6 @@ class ActivationSpec:
                 probs = probs.unsqueeze(-1)
             out = out * probs
         return out
-
-
-def _replace(spec: ActivationSpec, **changes) -> ActivationSpec:
-    from dataclasses import replace
-
-    return replace(spec, **changes)
 
 
 def deinterleave_glu(x: torch.Tensor, block: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
