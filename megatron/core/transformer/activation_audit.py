@@ -381,8 +381,34 @@ def _run(path, module, x, probs, tpe, grad=None, generator=None):
     if grad is None:
         grad = torch.randn(out.shape, generator=generator).to(device=x.device, dtype=out.dtype)
     out.backward(grad)
-    grads = {name: p.grad for name, p in module.named_parameters()}
-    return out, x_in.grad, grads, grad
+    return out, x_in.grad, _grads_in_checkpoint_layout(module), grad
+
+
+def _grads_in_checkpoint_layout(module) -> dict:
+    """Parameter gradients, laid out as ``module.state_dict()`` lays out the parameters.
+
+    A fused class may hold a weight in another memory layout than its unfused parent and convert
+    in its state-dict hooks (FusedSharedExpertMLP keeps fc1 block-interleaved for the grouped op
+    and saves [gate; linear] halves). Reading the state dict with every parameter's data swapped
+    for its gradient runs those same hooks on the gradients, so a fused class's gradients compare
+    element by element with its parent's; for every other module this is the identity.
+    """
+    params = dict(module.named_parameters())
+    saved = {name: p.data for name, p in params.items()}
+    try:
+        with torch.no_grad():
+            for p in params.values():
+                if p.grad is not None:
+                    p.data = p.grad
+            state = module.state_dict()
+    finally:
+        with torch.no_grad():
+            for name, p in params.items():
+                p.data = saved[name]
+    return {
+        name: None if p.grad is None else state[name].detach().clone()
+        for name, p in params.items()
+    }
 
 
 def _norm_rel(got, ref):
@@ -476,12 +502,17 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None) -> list[Cell]
     from megatron.core.extensions.te_import import have_te
 
     _init_single_process_world(device)
-    te_ok = have_te() and device.type == "cuda"
+    if not have_te():
+        no_te = "Transformer Engine is not importable (pip install 'megatron-core[te]')"
+    elif device.type != "cuda":
+        no_te = "Transformer Engine runs on CUDA only (--device cuda)"
+    else:
+        no_te = None
     cells = []
     for path in paths or all_paths():
         for act_name, kwargs in activations_to_run.items():
-            if path.needs_te and not te_ok:
-                cells.append(Cell(path.name, act_name, "unavailable", detail="needs TE and a GPU"))
+            if path.needs_te and no_te:
+                cells.append(Cell(path.name, act_name, "unavailable", detail=no_te))
                 continue
             try:
                 cells.append(audit_cell(path, act_name, kwargs, device, dtype))
@@ -573,6 +604,10 @@ def main(argv=None) -> int:
     for c in cells:
         if c.status in ("refuses", "MISMATCH") and c.detail:
             print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}")
+    unavailable = {c.detail: None for c in cells if c.status == "unavailable"}
+    for reason in unavailable:
+        paths = {c.path: None for c in cells if c.status == "unavailable" and c.detail == reason}
+        print(f"- {', '.join(paths)}: unavailable: {reason}")
     if args.json:
         payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1)
         if args.json == "-":

@@ -67,7 +67,12 @@ def test_cli_single_activation_and_json(tmp_path, capsys):
         ]
     )
     assert status == 0
-    assert "SwiGLU(clamp=3)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "SwiGLU(clamp=3)" in printed
+    # The TE paths do not run on a CPU device; the audit says which and why, once.
+    (why,) = [line for line in printed.splitlines() if ": unavailable: " in line]
+    te_paths = [p.name for p in audit.all_paths() if p.needs_te]
+    assert why.startswith(f"- {', '.join(te_paths)}: unavailable: Transformer Engine ")
     assert '"status": "match"' in out.read_text()
 
 

@@ -399,6 +399,33 @@ def test_fused_shared_expert_state_dict_moves_weights_both_ways(pg, fake_te):
     assert torch.equal(roundtrip.linear_fc1.weight, w)
 
 
+def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, fake_te):
+    """The fused class's fc1 gradient is block-interleaved like its weight; the activation audit
+    maps it through the state-dict hooks before comparing with the parent's."""
+    from megatron.core.transformer.activation_audit import _grads_in_checkpoint_layout
+
+    config = _fused_config()
+    plain = SharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
+    with torch.no_grad():
+        plain.linear_fc1.weight.normal_(0.0, 1.0)
+    fused = FusedSharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(6, 2, HIDDEN)
+    grad = torch.randn(6, 2, HIDDEN)
+    SharedExpertMLP.forward(fused, x).backward(grad)
+    plain(x).backward(grad)
+    fused_weight = fused.linear_fc1.weight.detach().clone()
+    mapped = _grads_in_checkpoint_layout(fused)
+    expected = {name: p.grad for name, p in plain.named_parameters()}
+    assert mapped.keys() == expected.keys()
+    for name, value in mapped.items():
+        torch.testing.assert_close(value, expected[name], msg=name)
+    # Raw, the interleaved gradient differs from the parent's; the parameters are untouched.
+    assert not torch.allclose(fused.linear_fc1.weight.grad, plain.linear_fc1.weight.grad)
+    assert torch.equal(fused.linear_fc1.weight, fused_weight)
+    assert fused.linear_fc1.weight.grad is not None
+
+
 def test_fused_shared_expert_resolves_its_recipe_at_construction(pg, fake_te, monkeypatch):
     def refuse(config, path):
         raise TEFusedRecipeError(f"{path}: the 'mxfp8' recipe cannot run on this machine")
