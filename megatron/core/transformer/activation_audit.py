@@ -406,8 +406,7 @@ def _grads_in_checkpoint_layout(module) -> dict:
             for name, p in params.items():
                 p.data = saved[name]
     return {
-        name: None if p.grad is None else state[name].detach().clone()
-        for name, p in params.items()
+        name: None if p.grad is None else state[name].detach().clone() for name, p in params.items()
     }
 
 
