@@ -273,9 +273,32 @@ def _compiled(variant: KernelVariant, direction: str) -> Callable:
         def kernel(grad, x, bias, probs, params):
             return backward_math(variant, grad, x, bias, probs, params)
 
-    # dynamic=True: row counts change every step in MoE (tokens per expert); compiling
-    # shape-generic code up front avoids one static-shape graph per variant before it.
-    return torch.compile(_own_code_object(kernel, f"{direction}_{variant.tag}"), dynamic=True)
+    compiled = torch.compile(_own_code_object(kernel, f"{direction}_{variant.tag}"))
+    return _with_dynamic_rows(compiled)
+
+
+def _with_dynamic_rows(compiled: Callable) -> Callable:
+    """Calls ``compiled`` with the row dimension of every 2-D argument marked dynamic.
+
+    Row counts change every step in MoE (tokens per expert), so rows must not be specialised;
+    widths are fixed by the model config and are. ``dynamic=True`` would make widths symbolic
+    too, and Inductor then splits each flat index into (row, column) with a runtime integer
+    division and cannot prove the alignment it needs for vectorised loads: on an H200 that made
+    the kernels 2-3x slower (docs/performance.md). ``maybe_mark_dynamic`` lets rows of size 0
+    or 1 specialise instead of failing; a second width for one variant recompiles once, after
+    which Dynamo's automatic dynamic shapes treat the width as symbolic (same math, slower).
+    Inside a caller's ``torch.compile`` the caller's graph owns the shapes, so nothing is marked.
+    """
+
+    def run(*args):
+        if not torch.compiler.is_compiling():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() == 2:
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return compiled(*args)
+
+    run.__name__ = run.__qualname__ = getattr(compiled, "__name__", "compiled_kernel")
+    return run
 
 
 def forward_math_fn(variant: KernelVariant) -> Callable:

@@ -238,3 +238,22 @@ def test_zero_rows(use_compile):
         out = fused_activation(x, SPECS["swiglu_clamp"], bias=torch.zeros(16), probs=probs)
         out.sum().backward()
     assert out.shape == (0, 8) and x.grad.shape == (0, 16) and probs.grad.shape == (0, 1)
+
+
+def test_row_counts_share_one_graph_and_widths_are_static():
+    """MoE changes the token count every step: new row counts must not recompile. Widths are
+    compiled as constants (symbolic widths cost 2-3x on an H200, docs/performance.md)."""
+    from torch._dynamo.utils import counters
+
+    # A variant no other test compiles, so the counts below are this test's alone.
+    spec = spec_of("quick_geglu_gpt_oss", glu_interleave_size=2)
+
+    def graphs_after(rows, width):
+        x = torch.randn(rows, width, requires_grad=True)
+        with use_compiled_kernels(True):
+            fused_activation(x, spec).sum().backward()
+        return counters["stats"]["unique_graphs"]
+
+    first = graphs_after(5, 16)  # fwd and bwd graphs for this width
+    assert [graphs_after(rows, 16) for rows in (7, 33, 130)] == [first] * 3
+    assert graphs_after(9, 24) > first
