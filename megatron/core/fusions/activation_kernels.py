@@ -212,6 +212,19 @@ def backward_math(v: KernelVariant, grad, x, bias, probs, params):
     ``dbias`` is the float32 row-sum of ``dx`` cast to the bias dtype; ``dprobs`` is the row-wise
     dot product of the incoming gradient with the unscaled activation.
     """
+    return assemble_backward(v, *backward_terms(v, grad, x, bias, probs, params))
+
+
+def backward_terms(v: KernelVariant, grad, x, bias, probs, params):
+    """The elementwise part of :func:`backward_math`: ``(dx_parts, dbias, dprobs)``.
+
+    For a GLU ``dx_parts`` is ``(dgate, dlinear)``, each ``[rows, F]`` in ``x.dtype``, and
+    :func:`assemble_backward` lays them out as the input was; otherwise it is ``(dx,)``. The
+    compiled backward stops here on purpose: Inductor lowers the concatenation of two computed
+    halves as one pointwise kernel that evaluates both halves' math for every output element,
+    which made the GLU backward 2-7x the copy floor on an H200 (1.1-1.4x without it, plus one
+    copy for the layout; docs/performance.md).
+    """
     h = _prepare(v, x, bias)
     g = grad.float()
     g_scaled = g * probs.float() if v.has_probs else g
@@ -221,14 +234,23 @@ def backward_math(v: KernelVariant, grad, x, bias, probs, params):
         d_linear = g_scaled * act
         if d_lin is not None:
             d_linear = d_linear * d_lin
-        dh = interleave_glu(d_gate, d_linear, v.interleave)
+        parts = (d_gate, d_linear)
         unscaled = act * lin
     else:
         unscaled, d_out = _unary_terms(v, h, params)
-        dh = g_scaled * d_out
-    dbias = dh.sum(dim=0).to(bias.dtype) if v.has_bias else None
+        parts = (g_scaled * d_out,)
+    dbias = None
+    if v.has_bias:
+        sums = [part.sum(dim=0) for part in parts]
+        dbias = (interleave_glu(*sums, v.interleave) if v.gated else sums[0]).to(bias.dtype)
     dprobs = (g * unscaled).sum(dim=-1, keepdim=True).to(probs.dtype) if v.has_probs else None
-    return dh.to(x.dtype), dbias, dprobs
+    return tuple(part.to(x.dtype) for part in parts), dbias, dprobs
+
+
+def assemble_backward(v: KernelVariant, dx_parts, dbias, dprobs):
+    """``(dx, dbias, dprobs)`` from :func:`backward_terms`: a GLU's halves in the input layout."""
+    dx = interleave_glu(*dx_parts, v.interleave) if v.gated else dx_parts[0]
+    return dx, dbias, dprobs
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -271,10 +293,18 @@ def _compiled(variant: KernelVariant, direction: str) -> Callable:
     else:
 
         def kernel(grad, x, bias, probs, params):
-            return backward_math(variant, grad, x, bias, probs, params)
+            return backward_terms(variant, grad, x, bias, probs, params)
 
-    compiled = torch.compile(_own_code_object(kernel, f"{direction}_{variant.tag}"))
-    return _with_dynamic_rows(compiled)
+    compiled = _with_dynamic_rows(
+        torch.compile(_own_code_object(kernel, f"{direction}_{variant.tag}"))
+    )
+    if direction == "fwd":
+        return compiled
+
+    def backward(grad, x, bias, probs, params):
+        return assemble_backward(variant, *compiled(grad, x, bias, probs, params))
+
+    return backward
 
 
 def _with_dynamic_rows(compiled: Callable) -> Callable:
