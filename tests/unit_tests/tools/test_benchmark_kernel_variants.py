@@ -1,0 +1,23 @@
+"""The GLU backward formulations the kernel benchmark times all compute ``backward_math``."""
+
+import pytest
+import torch
+
+from megatron.core.fusions import activation_kernels as ak
+from megatron.core.transformer.activation_spec import interleave_glu
+from tools.benchmark_kernel_variants import SPECS, layout_formulations
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_layout_formulations_match_backward_math(name):
+    spec = SPECS[name]
+    v = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(6, 128, dtype=torch.bfloat16) * 4
+    grad = torch.randn(6, 64, dtype=torch.bfloat16)
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    expected = ak.backward_math(v, grad, x, None, None, params)[0]
+    for label, (fn, assemble_outside) in layout_formulations(v).items():
+        out = fn(grad, x, params)
+        if assemble_outside is not False:
+            out = interleave_glu(*out, v.interleave)
+        assert torch.equal(out, expected), label

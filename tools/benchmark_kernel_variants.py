@@ -1,0 +1,191 @@
+"""Benchmark how the activation kernels are compiled, one design choice at a time.
+
+Usage (GPU): ``python tools/benchmark_kernel_variants.py [--rows 16384 --ffn 8192]``
+
+Times the raw kernels (no autograd) on a bf16 ``[rows, 2 * ffn]`` GLU input and reports each
+time divided by a device copy of the same bytes, all in one run (docs/performance.md):
+
+- ``compile``: forward and backward compiled with ``dynamic=True``, with static shapes, and with
+  dynamic rows and static widths (what ``activation_kernels`` does).
+- ``layout``: the GLU backward with ``[dgate | dlinear]`` assembled inside the compiled graph,
+  with two slice assignments inside the graph, with the halves returned and laid out outside
+  (what ``activation_kernels`` does), and the halves alone (a lower bound: no layout at all).
+
+Every formulation is checked to give the same ``dx`` as ``backward_math`` before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.core.fusions import activation_kernels as ak  # noqa: E402
+from megatron.core.transformer.activation_spec import (  # noqa: E402
+    ActivationKind,
+    ActivationSpec,
+    interleave_glu,
+)
+from tools.benchmark_activations import copy_ms, time_ms  # noqa: E402
+
+_SILU, _QGELU = ActivationKind.SILU, ActivationKind.QUICK_GELU
+SPECS = {
+    "SwiGLU": ActivationSpec(_SILU, gated=True),
+    "SwiGLU, interleave 32": ActivationSpec(_SILU, gated=True, glu_interleave_size=32),
+    "quick-GEGLU(gpt-oss)": ActivationSpec(_QGELU, gated=True, clamp_value=7.0, linear_offset=1.0),
+    "SwiGLU(clamp=7)": ActivationSpec(_SILU, gated=True, clamp_value=7.0),
+    "SwiGLU(clamp=7), interleave 32": ActivationSpec(
+        _SILU, gated=True, clamp_value=7.0, glu_interleave_size=32
+    ),
+    "SiTU-GLU(4,25)": ActivationSpec(
+        _SILU, gated=True, gate_tanh_scale=4.0, linear_tanh_scale=25.0
+    ),
+    "SiTU-GLU(4,25), interleave 32": ActivationSpec(
+        _SILU, gated=True, gate_tanh_scale=4.0, linear_tanh_scale=25.0, glu_interleave_size=32
+    ),
+}
+
+
+def _pairs(dx: torch.Tensor, block):
+    """``dx`` viewed with a size-2 (gate, linear) dimension, for slice assignment."""
+    width = dx.shape[-1]
+    if block is None:
+        return dx.unflatten(-1, (2, width // 2))
+    return dx.unflatten(-1, (width // (2 * block), 2, block))
+
+
+def layout_formulations(v: ak.KernelVariant) -> dict:
+    """GLU backward formulations ``fn(grad, x, params) -> dx`` (or the halves), uncompiled."""
+    k = v.interleave
+
+    def halves(grad, x, params):
+        parts, _, _ = ak.backward_terms(v, grad, x, None, None, params)
+        return parts
+
+    def in_graph_cat(grad, x, params):
+        dgate, dlinear = halves(grad, x, params)
+        return interleave_glu(dgate, dlinear, k)
+
+    def slice_assign(grad, x, params):
+        dgate, dlinear = halves(grad, x, params)
+        dx = torch.empty_like(x)
+        pairs = _pairs(dx, k)
+        if k is None:
+            pairs[:, 0, :], pairs[:, 1, :] = dgate, dlinear
+        else:
+            pairs[:, :, 0, :] = dgate.unflatten(-1, (-1, k))
+            pairs[:, :, 1, :] = dlinear.unflatten(-1, (-1, k))
+        return dx
+
+    return {
+        "in-graph cat": (in_graph_cat, False),
+        "slice assignments": (slice_assign, False),
+        "halves + copy outside": (halves, True),
+        "halves only": (halves, None),
+    }
+
+
+def _rows_dynamic(fn):
+    return ak._with_dynamic_rows(torch.compile(fn))
+
+
+def bench_layout(spec, rows, ffn, dtype):
+    """One row of the ``layout`` table: backward time / copy time per formulation."""
+    v = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    expected = ak.backward_math(v, grad, x, None, None, params)[0]
+    copy = copy_ms(rows * 5 * ffn // 2, dtype)  # reads 3F, writes 2F elements per row
+    row = {}
+    for label, (fn, assemble_outside) in layout_formulations(v).items():
+        torch._dynamo.reset()
+        compiled = _rows_dynamic(fn)
+        if assemble_outside:
+            inner = compiled
+
+            def compiled(grad, x, params, inner=inner):
+                return interleave_glu(*inner(grad, x, params), v.interleave)
+
+        out = compiled(grad, x, params)
+        if assemble_outside is not None and not torch.equal(out, expected):
+            raise AssertionError(f"{label} differs from backward_math for {spec.name}")
+        row[label] = time_ms(lambda c=compiled: c(grad, x, params)) / copy
+    return row
+
+
+def bench_compile(spec, rows, ffn, dtype):
+    """One row of the ``compile`` table: forward and backward time / copy time per mode."""
+    v = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    width = 2 * ffn if spec.gated else ffn
+    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    copy_fwd = copy_ms(rows * (width + ffn) // 2, dtype)
+    copy_bwd = copy_ms(rows * (2 * width + ffn) // 2, dtype)
+
+    def fwd(x, bias, probs, params):
+        return ak.forward_math(v, x, bias, probs, params)
+
+    def bwd(grad, x, bias, probs, params):
+        return ak.backward_math(v, grad, x, bias, probs, params)
+
+    modes = {
+        "dynamic=True": lambda fn: torch.compile(fn, dynamic=True),
+        "static": lambda fn: torch.compile(fn, dynamic=False),
+        "rows dynamic": _rows_dynamic,
+    }
+    row = {}
+    for label, make in modes.items():
+        torch._dynamo.reset()
+        f, b = make(fwd), make(bwd)
+        f(x[:1000], None, None, params)  # a second row count first, as MoE does
+        b(grad[:1000], x[:1000], None, None, params)
+        row[f"fwd {label}"] = time_ms(lambda f=f: f(x, None, None, params)) / copy_fwd
+        row[f"bwd {label}"] = time_ms(lambda b=b: b(grad, x, None, None, params)) / copy_bwd
+    return row
+
+
+def _print_table(title, rows):
+    print(f"\n{title} (time / copy of the same bytes)")
+    columns = list(next(iter(rows.values())))
+    print("| activation | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, row in rows.items():
+        print(f"| {name} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+
+
+def main(argv=None):
+    """Runs the selected experiments and prints markdown tables (and JSON on request)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=16384)
+    parser.add_argument("--ffn", type=int, default=8192)
+    parser.add_argument("--experiment", choices=["compile", "layout", "all"], default="all")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_kernel_variants needs a CUDA GPU")
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    print(json.dumps(env))
+    results = {"env": env}
+    dtype = torch.bfloat16
+    if args.experiment in ("compile", "all"):
+        names = ["SwiGLU", "SwiGLU(clamp=7)", "SiTU-GLU(4,25)"]
+        results["compile"] = {n: bench_compile(SPECS[n], args.rows, args.ffn, dtype) for n in names}
+        _print_table("compile modes", results["compile"])
+    if args.experiment in ("layout", "all"):
+        results["layout"] = {
+            n: bench_layout(s, args.rows, args.ffn, dtype) for n, s in SPECS.items()
+        }
+        _print_table("GLU backward layout", results["layout"])
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
