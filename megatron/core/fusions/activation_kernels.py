@@ -220,10 +220,7 @@ def backward_terms(v: KernelVariant, grad, x, bias, probs, params):
 
     For a GLU ``dx_parts`` is ``(dgate, dlinear)``, each ``[rows, F]`` in ``x.dtype``, and
     :func:`assemble_backward` lays them out as the input was; otherwise it is ``(dx,)``. The
-    compiled backward stops here on purpose: Inductor lowers the concatenation of two computed
-    halves as one pointwise kernel that evaluates both halves' math for every output element,
-    which made the GLU backward 2-7x the copy floor on an H200 (1.1-1.4x without it, plus one
-    copy for the layout; docs/performance.md).
+    compiled backward stops here on purpose (see ``_run_backward``).
     """
     h = _prepare(v, x, bias)
     g = grad.float()
@@ -271,10 +268,10 @@ def use_compiled_kernels(enabled: bool):
 def _own_code_object(fn: Callable, name: str) -> Callable:
     """``fn`` with a private copy of its code object.
 
-    Dynamo keys its cache and its recompile limit on the code object. Without a copy, every
-    variant's closure would share one code object and, past ``recompile_limit`` (8) variants x
-    dtypes, Dynamo would silently fall back to eager. A private code object gives each variant
-    its own budget: one graph per dtype and shape class.
+    Dynamo keys its cache and its recompile limit (8) on the code object. Without a copy, every
+    compiled kernel would share one code object and, past eight structures x dtypes x shapes,
+    Dynamo would silently fall back to eager. A private code object per (variant, direction,
+    width) gives each its own budget: one graph per dtype, plus one for single-row inputs.
     """
     names = {"co_name": name}
     if hasattr(fn.__code__, "co_qualname"):  # Python >= 3.11
@@ -284,7 +281,19 @@ def _own_code_object(fn: Callable, name: str) -> Callable:
 
 
 @functools.cache
-def _compiled(variant: KernelVariant, direction: str) -> Callable:
+def _compiled(variant: KernelVariant, direction: str, width: int) -> Callable:
+    """The compiled kernel of ``variant`` for inputs ``width`` wide, rows dynamic.
+
+    Shapes: row counts change every step in MoE (tokens per expert), so the row dimension is
+    marked dynamic; widths are fixed by the model config and are compiled as constants, one code
+    object per width. With symbolic widths (``dynamic=True``) Inductor splits every flat index
+    into (row, column) with a runtime integer division and cannot prove the alignment it needs
+    for vectorised loads: the kernels ran 2-3x slower on an H200 (docs/performance.md). Sharing
+    one code object across widths would not keep them static either: after a second width,
+    Dynamo's automatic dynamic shapes make the width symbolic for every later call.
+    ``maybe_mark_dynamic`` (not ``mark_dynamic``) lets a one-row input specialise instead of
+    failing.
+    """
     if direction == "fwd":
 
         def kernel(x, bias, probs, params):
@@ -295,40 +304,42 @@ def _compiled(variant: KernelVariant, direction: str) -> Callable:
         def kernel(grad, x, bias, probs, params):
             return backward_terms(variant, grad, x, bias, probs, params)
 
-    compiled = _with_dynamic_rows(
-        torch.compile(_own_code_object(kernel, f"{direction}_{variant.tag}"))
+    return compile_with_dynamic_rows(
+        _own_code_object(kernel, f"{direction}_{variant.tag}_w{width}")
     )
-    if direction == "fwd":
-        return compiled
-
-    def backward(grad, x, bias, probs, params):
-        return assemble_backward(variant, *compiled(grad, x, bias, probs, params))
-
-    return backward
 
 
-def _with_dynamic_rows(compiled: Callable) -> Callable:
-    """Calls ``compiled`` with the row dimension of every 2-D argument marked dynamic.
-
-    Row counts change every step in MoE (tokens per expert), so rows must not be specialised;
-    widths are fixed by the model config and are. ``dynamic=True`` would make widths symbolic
-    too, and Inductor then splits each flat index into (row, column) with a runtime integer
-    division and cannot prove the alignment it needs for vectorised loads: on an H200 that made
-    the kernels 2-3x slower (docs/performance.md). ``maybe_mark_dynamic`` lets rows of size 0
-    or 1 specialise instead of failing; a second width for one variant recompiles once, after
-    which Dynamo's automatic dynamic shapes treat the width as symbolic (same math, slower).
-    Inside a caller's ``torch.compile`` the caller's graph owns the shapes, so nothing is marked.
-    """
+def compile_with_dynamic_rows(fn: Callable) -> Callable:
+    """``torch.compile(fn)``, called with dim 0 of every 2-D tensor argument marked dynamic."""
+    compiled = torch.compile(fn)
 
     def run(*args):
-        if not torch.compiler.is_compiling():
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.dim() == 2:
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() == 2:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
         return compiled(*args)
 
-    run.__name__ = run.__qualname__ = getattr(compiled, "__name__", "compiled_kernel")
     return run
+
+
+def _run_forward(variant: KernelVariant, x, bias, probs, params):
+    if torch.compiler.is_compiling() or x.shape[0] == 0:
+        # Inside a caller's torch.compile the caller's graph compiles the math itself (and owns
+        # the shapes); an empty input has nothing to compute and would only cost a graph.
+        return forward_math(variant, x, bias, probs, params)
+    return _compiled(variant, "fwd", x.shape[-1])(x, bias, probs, params)
+
+
+def _run_backward(variant: KernelVariant, grad, x, bias, probs, params):
+    if torch.compiler.is_compiling() or x.shape[0] == 0:
+        return backward_math(variant, grad, x, bias, probs, params)
+    terms = _compiled(variant, "bwd", x.shape[-1])(grad, x, bias, probs, params)
+    # A GLU's halves are laid out as the input outside the compiled graph: inside it, Inductor
+    # lowers the concatenation of two computed halves as one pointwise kernel that evaluates
+    # both halves' math for every output element (1.8-6.6x the copy floor on an H200, against
+    # 1.9-2.5x with the layout done here; docs/performance.md).
+    # The price is one copy and, briefly, the halves and dx alive together.
+    return assemble_backward(variant, *terms)
 
 
 def forward_math_fn(variant: KernelVariant) -> Callable:
@@ -344,12 +355,12 @@ def backward_math_fn(variant: KernelVariant) -> Callable:
 def forward_kernel(variant: KernelVariant) -> Callable:
     """``fn(x, bias, probs, params) -> out`` for ``variant`` (compiled when enabled)."""
     if _compile_enabled:
-        return _compiled(variant, "fwd")
+        return functools.partial(_run_forward, variant)
     return forward_math_fn(variant)
 
 
 def backward_kernel(variant: KernelVariant) -> Callable:
     """``fn(grad, x, bias, probs, params) -> (dx, dbias, dprobs)`` (compiled when enabled)."""
     if _compile_enabled:
-        return _compiled(variant, "bwd")
+        return functools.partial(_run_backward, variant)
     return backward_math_fn(variant)

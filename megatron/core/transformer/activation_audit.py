@@ -381,7 +381,7 @@ def _run(path, module, x, probs, tpe, grad=None, generator=None):
     if grad is None:
         grad = torch.randn(out.shape, generator=generator).to(device=x.device, dtype=out.dtype)
     out.backward(grad)
-    return out, x_in.grad, _grads_in_checkpoint_layout(module), grad
+    return out, x_in.grad, {name: p.grad for name, p in module.named_parameters()}, grad
 
 
 def _grads_in_checkpoint_layout(module) -> dict:
@@ -392,8 +392,20 @@ def _grads_in_checkpoint_layout(module) -> dict:
     and saves [gate; linear] halves). Reading the state dict with every parameter's data swapped
     for its gradient runs those same hooks on the gradients, so a fused class's gradients compare
     element by element with its parent's; for every other module this is the identity.
+
+    Raises:
+        ValueError: a parameter is a tensor subclass (e.g. a quantized Transformer Engine
+            weight, whose ``.data`` setter quantizes or copies in place, so swapping is unsafe),
+            or a state-dict hook renamed a parameter's key.
     """
     params = dict(module.named_parameters())
+    for name, p in params.items():
+        if type(p) is not torch.nn.Parameter:
+            raise ValueError(
+                f"activation audit: parameter {name!r} of {type(module).__name__} is a "
+                f"{type(p).__name__}; the audit compares unquantized parameters only. Build the "
+                "layer without quantized primary weights (e.g. te_fused_recipe='none')."
+            )
     saved = {name: p.data for name, p in params.items()}
     try:
         with torch.no_grad():
@@ -405,6 +417,12 @@ def _grads_in_checkpoint_layout(module) -> dict:
         with torch.no_grad():
             for name, p in params.items():
                 p.data = saved[name]
+    missing = [name for name, p in params.items() if p.grad is not None and name not in state]
+    if missing:
+        raise ValueError(
+            f"activation audit: the state_dict of {type(module).__name__} has no entries for "
+            f"parameters {missing}; its hooks rename keys, so gradients cannot be matched by name."
+        )
     return {
         name: None if p.grad is None else state[name].detach().clone() for name, p in params.items()
     }
@@ -456,12 +474,17 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
     if path.parent is not None:
         parent = path.parent(kwargs, device).to(dtype)
         parent.load_state_dict(module.state_dict())
-        p_out, p_dx, p_grads, _ = _run(path, parent, x, probs, tpe, grad=grad)
+        p_out, p_dx, _, _ = _run(path, parent, x, probs, tpe, grad=grad)
+        # Gradients in the checkpoint layout both sides: the state dicts are what match.
+        grads = _grads_in_checkpoint_layout(module)
+        p_grads = _grads_in_checkpoint_layout(parent)
         # ||a - b|| / ||b||, the fused-MLP PR's metric: the grouped GEMMs accumulate in another
         # order than the parent's, which moves single elements by ~1e-5 of the largest.
         errors = _errors(out, dx, grads, p_out, p_dx, p_grads, metric=_norm_rel)
         against = f"vs {type(parent).__name__} on the same weights"
     else:
+        # The reference reads the parameters as the module holds them in memory, so the
+        # gradients are compared in that layout too (``grads`` as ``_run`` returned them).
         params64 = {
             name: p.detach().double().requires_grad_() for name, p in module.named_parameters()
         }

@@ -242,7 +242,8 @@ def test_zero_rows(use_compile):
 
 def test_row_counts_share_one_graph_and_widths_are_static():
     """MoE changes the token count every step: new row counts must not recompile. Widths are
-    compiled as constants (symbolic widths cost 2-3x on an H200, docs/performance.md)."""
+    compiled as constants, each with its own graphs (symbolic widths cost 2-3x on an H200,
+    docs/performance.md), and a second width must not turn the first one symbolic."""
     from torch._dynamo.utils import counters
 
     # A variant no other test compiles, so the counts below are this test's alone.
@@ -254,6 +255,10 @@ def test_row_counts_share_one_graph_and_widths_are_static():
             fused_activation(x, spec).sum().backward()
         return counters["stats"]["unique_graphs"]
 
-    first = graphs_after(5, 16)  # fwd and bwd graphs for this width
+    first = graphs_after(5, 16)  # fwd and bwd graphs for width 16
     assert [graphs_after(rows, 16) for rows in (7, 33, 130)] == [first] * 3
-    assert graphs_after(9, 24) > first
+    second = graphs_after(9, 24)
+    assert second == first + 2  # width 24: its own fwd and bwd graphs
+    assert graphs_after(11, 16) == second  # width 16 still runs its own (static) graphs
+    assert graphs_after(13, 40) == second + 2  # a third width is static too, not symbolic
+    assert graphs_after(0, 40) == second + 2  # no rows: nothing to compile

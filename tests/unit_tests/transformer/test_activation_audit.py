@@ -126,3 +126,28 @@ def test_te_audit_detects_a_fused_class_that_ignores_the_clamp(fake_te):
         torch.float32,
     )
     assert cell.status == "MISMATCH" and cell.max_rel_error > 0.1
+
+
+def test_checkpoint_layout_gradients_refuse_tensor_subclass_parameters():
+    """A quantized weight's ``.data`` setter may quantize or copy in place: never swap it."""
+
+    class QuantizedLike(torch.nn.Parameter):
+        pass
+
+    layer = torch.nn.Linear(4, 4)
+    layer.weight = QuantizedLike(torch.randn(4, 4))
+    layer(torch.randn(2, 4)).sum().backward()
+    before = layer.weight.detach().clone()
+    with pytest.raises(ValueError, match="'weight' of Linear is a QuantizedLike"):
+        audit._grads_in_checkpoint_layout(layer)
+    assert torch.equal(layer.weight, before)
+
+
+def test_checkpoint_layout_gradients_are_the_identity_without_hooks():
+    layer = torch.nn.Linear(4, 3)
+    layer(torch.randn(2, 4)).sum().backward()
+    weight = layer.weight.detach().clone()
+    grads = audit._grads_in_checkpoint_layout(layer)
+    assert torch.equal(grads["weight"], layer.weight.grad)
+    assert torch.equal(grads["bias"], layer.bias.grad)
+    assert torch.equal(layer.weight, weight)
