@@ -31,7 +31,6 @@ from megatron.core.fusions import activation_kernels as ak  # noqa: E402
 from megatron.core.transformer.activation_spec import (  # noqa: E402
     ActivationKind,
     ActivationSpec,
-    interleave_glu,
 )
 from tools.benchmark_activations import copy_ms, time_ms  # noqa: E402
 
@@ -65,7 +64,12 @@ def _pairs(dx: torch.Tensor, block):
 
 
 def layout_formulations(v: ak.KernelVariant) -> dict:
-    """GLU backward formulations ``fn(grad, x, params) -> dx`` (or the halves), uncompiled."""
+    """GLU backward formulations, uncompiled: ``label -> (fn(grad, x, params), layout)``.
+
+    ``layout`` says where ``dx`` gets its input layout: ``"in graph"`` (``fn`` returns ``dx``),
+    ``"outside"`` (``fn`` returns the halves, laid out after the compiled call, as
+    ``activation_kernels`` does) or ``None`` (the halves alone: a lower bound, not a ``dx``).
+    """
     k = v.interleave
 
     def halves(grad, x, params):
@@ -73,8 +77,7 @@ def layout_formulations(v: ak.KernelVariant) -> dict:
         return parts
 
     def in_graph_cat(grad, x, params):
-        dgate, dlinear = halves(grad, x, params)
-        return interleave_glu(dgate, dlinear, k)
+        return ak.backward_math(v, grad, x, None, None, params)[0]
 
     def slice_assign(grad, x, params):
         dgate, dlinear = halves(grad, x, params)
@@ -88,9 +91,9 @@ def layout_formulations(v: ak.KernelVariant) -> dict:
         return dx
 
     return {
-        "in-graph cat": (in_graph_cat, False),
-        "slice assignments": (slice_assign, False),
-        "halves + copy outside": (halves, True),
+        "in-graph cat": (in_graph_cat, "in graph"),
+        "slice assignments": (slice_assign, "in graph"),
+        "halves + copy outside": (halves, "outside"),
         "halves only": (halves, None),
     }
 
@@ -113,17 +116,17 @@ def bench_layout(spec, rows, ffn, dtype):
     expected = ak.backward_math(v, grad, x, None, None, params)[0]
     copy = copy_ms(rows * 5 * ffn // 2, dtype)  # reads 3F, writes 2F elements per row
     row = {}
-    for label, (fn, assemble_outside) in layout_formulations(v).items():
+    for label, (fn, layout) in layout_formulations(v).items():
         torch._dynamo.reset()
         compiled = ak.compile_with_dynamic_rows(fn)
-        if assemble_outside:
+        if layout == "outside":
             inner = compiled
 
             def compiled(grad, x, params, inner=inner):
-                return interleave_glu(*inner(grad, x, params), v.interleave)
+                return ak.assemble_backward(v, inner(grad, x, params), None, None)[0]
 
         out = compiled(grad, x, params)
-        if assemble_outside is not None:
+        if layout is not None:
             check_formulation(f"{label}, {spec.name}", out, expected)
         row[label] = time_ms(lambda c=compiled: c(grad, x, params)) / copy
     return row

@@ -626,9 +626,11 @@ def main(argv=None) -> int:
     for c in cells:
         if c.status in ("refuses", "MISMATCH") and c.detail:
             print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}")
-    unavailable = {c.detail: None for c in cells if c.status == "unavailable"}
-    for reason in unavailable:
-        paths = {c.path: None for c in cells if c.status == "unavailable" and c.detail == reason}
+    unavailable = {}  # reason -> paths, in table order
+    for c in cells:
+        if c.status == "unavailable":
+            unavailable.setdefault(c.detail, {})[c.path] = None
+    for reason, paths in unavailable.items():
         print(f"- {', '.join(paths)}: unavailable: {reason}")
     if args.json:
         payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1)

@@ -378,15 +378,23 @@ def test_fused_shared_expert_ops_alias_the_linears(pg, fake_te):
     )
 
 
-def test_fused_shared_expert_state_dict_moves_weights_both_ways(pg, fake_te):
-    """Same function on the same checkpoint: the fused class keeps fc1 block-interleaved in
-    memory (the grouped op's layout) and the parent's [gate; linear] layout in state dicts."""
+def _plain_and_fused_on_one_checkpoint(pg):
+    """A gated SharedExpertMLP with random fc1 weights and a FusedSharedExpertMLP loaded from
+    its state dict."""
     config = _fused_config()
     plain = SharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
     with torch.no_grad():
         plain.linear_fc1.weight.normal_(0.0, 1.0)
     fused = FusedSharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
     fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+def test_fused_shared_expert_state_dict_moves_weights_both_ways(pg, fake_te):
+    """Same function on the same checkpoint: the fused class keeps fc1 block-interleaved in
+    memory (the grouped op's layout) and the parent's [gate; linear] layout in state dicts."""
+    plain, fused = _plain_and_fused_on_one_checkpoint(pg)
+    config = plain.config
     w = plain.linear_fc1.weight
     assert not torch.equal(fused.linear_fc1.weight, w)  # interleaved in memory
     for key, value in fused.state_dict().items():
@@ -404,12 +412,7 @@ def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, f
     maps it through the state-dict hooks before comparing with the parent's."""
     from megatron.core.transformer.activation_audit import _grads_in_checkpoint_layout
 
-    config = _fused_config()
-    plain = SharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
-    with torch.no_grad():
-        plain.linear_fc1.weight.normal_(0.0, 1.0)
-    fused = FusedSharedExpertMLP(config, submodules(), gate=True, pg_collection=pg)
-    fused.load_state_dict(plain.state_dict())
+    plain, fused = _plain_and_fused_on_one_checkpoint(pg)
     x = torch.randn(6, 2, HIDDEN)
     grad = torch.randn(6, 2, HIDDEN)
     SharedExpertMLP.forward(fused, x).backward(grad)
@@ -423,7 +426,6 @@ def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, f
     # Raw, the interleaved gradient differs from the parent's; the parameters are untouched.
     assert not torch.allclose(fused.linear_fc1.weight.grad, plain.linear_fc1.weight.grad)
     assert torch.equal(fused.linear_fc1.weight, fused_weight)
-    assert fused.linear_fc1.weight.grad is not None
 
 
 def test_fused_shared_expert_resolves_its_recipe_at_construction(pg, fake_te, monkeypatch):
