@@ -24,12 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.core.fusions.fused_activation import fused_activation  # noqa: E402
-from megatron.core.transformer.activation_spec import (  # noqa: E402
+from mcore_activations.activation_spec import (  # noqa: E402
     ActivationKind,
     ActivationSpec,
     unfused_activation,
 )
+from mcore_activations.fusions.fused_activation import fused_activation  # noqa: E402
 
 SPECS = {
     "SwiGLU": ActivationSpec(ActivationKind.SILU, gated=True),

@@ -27,11 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.core.fusions import activation_kernels as ak  # noqa: E402
-from megatron.core.transformer.activation_spec import (  # noqa: E402
+from mcore_activations.activation_spec import (  # noqa: E402
     ActivationKind,
     ActivationSpec,
 )
+from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from tools.benchmark_activations import copy_ms, time_ms  # noqa: E402
 
 _SILU, _QGELU = ActivationKind.SILU, ActivationKind.QUICK_GELU

@@ -169,7 +169,7 @@ def initialize_rng_tracker(
     if _CUDA_RNG_STATE_TRACKER is not None and not force_reset:
         return
     if use_te_rng_tracker:
-        from megatron.core.extensions.te_import import have_te
+        from mcore_activations.te_import import have_te
 
         tracker_class = None
         if have_te():

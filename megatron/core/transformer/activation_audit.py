@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import activations
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
-from megatron.core.transformer.activation_spec import ActivationSpec
+from mcore_activations import activations
+from mcore_activations.activation_spec import ActivationSpec
+from mcore_activations.fusions.fused_bias_geglu import quick_gelu
 
 HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
 
@@ -455,7 +455,7 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
     the activation (or the weight layout). Every other path is compared with the float64
     reference evaluated on the layer's weights.
     """
-    from megatron.core.transformer.activation_spec import UnsupportedActivationError
+    from mcore_activations.activation_spec import UnsupportedActivationError
 
     refusals = (ValueError, RuntimeError, NotImplementedError, AssertionError)
     torch.manual_seed(1234)
@@ -521,7 +521,7 @@ def _init_single_process_world(device):
 
 def run_audit(activations_to_run: dict, device, dtype, paths=None) -> list[Cell]:
     """Runs every (path, activation) cell this machine can run."""
-    from megatron.core.extensions.te_import import have_te
+    from mcore_activations.te_import import have_te
 
     _init_single_process_world(device)
     if not have_te():

@@ -3,19 +3,10 @@
 The layer is API-compatible with upstream megatron-core's ``MLP``. It differs in how it decides
 which activation to compute: upstream tests ``activation_func`` and the clamp fields again in each
 branch of ``forward``, and each branch supports a different subset of the configured options. Here
-``__init__`` turns the config into one :class:`ActivationSpec` and picks one of three paths for it,
-once:
-
-- **A, Transformer Engine module** (``use_te_activation_func``): TE's activation module, built
-  from ``submodules.activation_func``. TE's modules take no clamp, tanh scale or offset, so a spec
-  that has any of them is refused at construction.
-- **B, fused kernels** (``bias_activation_fusion``): :func:`fused_activation`, which fuses the
-  bias add, the activation (every non-custom spec, including clamps, SiTU-GLU and offsets) and
-  the per-token scale in one kernel. A custom callable is refused at construction.
-- **C, unfused** (otherwise): :func:`unfused_activation`, plain torch ops that call the
-  configured ``activation_func`` itself, so any callable works.
-
-All three compute what :meth:`ActivationSpec.reference` defines.
+``__init__`` turns the config into one :class:`ActivationSpec` and picks one path for it, once
+(``mcore_activations.activation_path``: TE module, fused kernels or unfused); a spec the path
+cannot compute is refused at construction. Every path computes what
+:meth:`ActivationSpec.reference` defines.
 """
 
 from __future__ import annotations
@@ -26,22 +17,19 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron.core.extensions.te_import import have_te
-from megatron.core.fusions.fused_activation import fused_activation, lower_to_fused_kernel
-from megatron.core.transformer.activation_spec import (
-    ActivationSpec,
-    UnsupportedActivationError,
-    unfused_activation,
+from mcore_activations.activation_path import (  # noqa: F401 - path names, as before
+    FUSED_KERNEL_PATH,
+    TE_MODULE_PATH,
+    UNFUSED_PATH,
+    activate,
+    select_activation_path,
 )
+from mcore_activations.activation_spec import ActivationSpec
+from mcore_activations.te_import import have_te
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
-# Values of ``MLP.activation_path``.
-TE_MODULE_PATH = "te_module"
-FUSED_KERNEL_PATH = "fused_kernel"
-UNFUSED_PATH = "unfused"
 
 
 @dataclass
@@ -66,49 +54,6 @@ class MLPSubmodules:
 
 def _child_name(name: Optional[str], child: str) -> Optional[str]:
     return f"{name}.{child}" if name else None
-
-
-def select_activation_path(
-    config: TransformerConfig,
-    spec: ActivationSpec,
-    has_te_activation_builder: bool,
-    owner: str,
-) -> str:
-    """Chooses how a layer computes ``spec``, refusing what that path cannot compute.
-
-    Shared by :class:`MLP` and the routed experts so that both decide the same way.
-
-    Args:
-        config: Source of the path flags ``use_te_activation_func`` and
-            ``bias_activation_fusion``.
-        spec: The activation to compute.
-        has_te_activation_builder: The layer's submodules name a TE activation module.
-            ``use_te_activation_func`` without one (e.g. with the local layer spec) computes the
-            same activation on the unfused path.
-        owner: The layer's class name, used in error messages.
-
-    Returns:
-        One of ``TE_MODULE_PATH``, ``FUSED_KERNEL_PATH`` and ``UNFUSED_PATH``.
-
-    Raises:
-        UnsupportedActivationError: The selected path cannot compute ``spec``.
-    """
-    if config.use_te_activation_func and has_te_activation_builder:
-        if not spec.is_plain:
-            raise UnsupportedActivationError(
-                f"{owner}(use_te_activation_func=True)",
-                spec,
-                "Transformer Engine's activation modules take no clamp, tanh clamp scale or "
-                "linear offset",
-                "Set use_te_activation_func=False; bias_activation_fusion=True computes it "
-                "with the fused kernels.",
-            )
-        return TE_MODULE_PATH
-    if config.bias_activation_fusion:
-        # Lowering now, not at the first forward, makes an unsupported config fail at build.
-        lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
-        return FUSED_KERNEL_PATH
-    return UNFUSED_PATH
 
 
 class MLP(MegatronModule):
@@ -261,21 +206,16 @@ class MLP(MegatronModule):
         The result is in ``x.dtype``; ``per_token_scale`` multiplies each row.
         """
         probs = per_token_scale.unsqueeze(-1) if per_token_scale is not None else None
-        if self.activation_path == FUSED_KERNEL_PATH:
-            return fused_activation(
-                x,
-                self.activation_spec,
-                bias=bias,
-                probs=probs,
-                fp8_input_store=self.config.activation_func_fp8_input_store,
-                cpu_offload_input=self._offload_activation_input(),
-            )
-        if bias is not None:
-            x = x + bias
-        if self.activation_path == TE_MODULE_PATH:
-            out = self.activation_func(x)
-            return (out * probs).to(out.dtype) if probs is not None else out
-        return unfused_activation(x, self.activation_spec, self.config.activation_func, probs=probs)
+        return activate(
+            x,
+            bias,
+            probs,
+            spec=self.activation_spec,
+            path=self.activation_path,
+            activation_func=self.activation_func,
+            fp8_input_store=self.config.activation_func_fp8_input_store,
+            cpu_offload_input=self._offload_activation_input(),
+        )
 
     def _offload_activation_input(self) -> bool:
         # Tagging saved tensors for offloading only means something to TE's offload handler.

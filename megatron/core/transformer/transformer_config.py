@@ -314,7 +314,7 @@ class TransformerConfig(ModelParallelConfig):
     def _validate_activation(self):
         # Imported here: the fusions import nothing from the config, but keeping the dependency
         # local avoids import cycles for tools that only need the dataclass.
-        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+        from mcore_activations.fusions.fused_bias_geglu import quick_gelu
 
         act = self.activation_func
         gated = self.gated_linear_unit

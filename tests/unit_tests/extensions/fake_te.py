@@ -5,9 +5,9 @@ formula that shared/spec/te-ops.md gives for the TE op of the same name, written
 table and independently of ``ActivationSpec.reference``. A test can therefore check both *which*
 op a path builds and that the arguments it passes compute the configured activation.
 
-``install_fake_te(monkeypatch, version=...)`` patches the module globals of
-``megatron.core.extensions.transformer_engine`` (``te``, ``HAVE_TE``, ``is_te_min_version``), as
-upstream's tests do.
+``install_fake_te(monkeypatch, version=...)`` patches the TE module globals (``te``, ``HAVE_TE`` and
+the version check) of ``mcore_activations.te_lowering`` and
+``megatron.core.extensions.transformer_engine``, as upstream's tests patch theirs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from packaging.version import Version
 
+import mcore_activations.te_lowering as te_lowering
 import megatron.core.extensions.transformer_engine as te_ext
 
 QUICK_GELU_ALPHA = 1.702
@@ -287,10 +288,17 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
         found, wanted = Version(fake.__version__), Version(v)
         return found >= wanted if check_equality else found > wanted
 
-    monkeypatch.setattr(te_ext, "te", fake)
-    monkeypatch.setattr(te_ext, "HAVE_TE", True)
-    monkeypatch.setattr(te_ext, "is_te_min_version", is_te_min_version)
+    for module in (te_ext, te_lowering):
+        monkeypatch.setattr(module, "te", fake)
+        monkeypatch.setattr(module, "HAVE_TE", True)
+    monkeypatch.setattr(te_lowering, "is_te_min_version", is_te_min_version)
     return fake
+
+
+def remove_te(monkeypatch):
+    """Patches the TE module globals as if Transformer Engine could not be imported."""
+    for module in (te_ext, te_lowering):
+        monkeypatch.setattr(module, "HAVE_TE", False)
 
 
 def run_op(op, x: torch.Tensor, scales=None) -> torch.Tensor:

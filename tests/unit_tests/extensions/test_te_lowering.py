@@ -28,7 +28,7 @@ from megatron.core.transformer.activation_spec import (
     UnsupportedActivationError,
     deinterleave_glu,
 )
-from tests.unit_tests.extensions.fake_te import install_fake_te, run_op
+from tests.unit_tests.extensions.fake_te import install_fake_te, remove_te, run_op
 
 K = ActivationKind
 PATH = "TestPath"
@@ -317,7 +317,7 @@ def test_op_missing_from_te_build_is_a_version_refusal(monkeypatch):
 
 
 def test_without_te_lowering_refuses(monkeypatch):
-    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    remove_te(monkeypatch)
     with pytest.raises(te_ext.TEVersionError, match="cannot be imported"):
         lower(CASES["swiglu"][0])
 
@@ -385,7 +385,7 @@ def test_te_activation_op_follows_the_spec(fake_te):
 
 
 def test_te_activation_op_needs_te(monkeypatch):
-    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    remove_te(monkeypatch)
     with pytest.raises(ImportError, match="transformer-engine"):
         te_ext.TEActivationOp(_config())
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mcore_activations.activation_path as activation_path
 import megatron.core.transformer.mlp as mlp_module
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -423,13 +424,13 @@ def test_te_activation_flag_without_builder_computes_unfused(pg):
 
 def test_fused_path_passes_store_and_offload_flags(pg, monkeypatch):
     calls = []
-    real = mlp_module.fused_activation
+    real = activation_path.fused_activation
 
     def recording(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(mlp_module, "fused_activation", recording)
+    monkeypatch.setattr(activation_path, "fused_activation", recording)
     monkeypatch.setattr(mlp_module, "have_te", lambda: True)
     config = make_config(
         "swiglu",

@@ -34,6 +34,7 @@ from tests.unit_tests.extensions.fake_te import (
     CpuRowLinear,
     install_fake_te,
     install_fake_te_with_cpu_linears,
+    remove_te,
 )
 from tests.unit_tests.test_utilities import Utils
 
@@ -255,7 +256,7 @@ def test_te_fused_mlp_refuses_at_construction(
 
 
 def test_te_fused_mlp_needs_te(monkeypatch):
-    monkeypatch.setattr(te_ext, "HAVE_TE", False)
+    remove_te(monkeypatch)
     with pytest.raises(ImportError, match="TEFusedMLP.*transformer-engine"):
         build(te_ext.TEFusedMLP, make_config("swiglu"))
     install_fake_te(monkeypatch, version="1.12.0")

@@ -26,23 +26,21 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron.core.extensions.te_import import te_module
-from megatron.core.fusions.fused_activation import fused_activation
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.activation_spec import (
+from mcore_activations.activation_path import (
+    FUSED_KERNEL_PATH,
+    TE_MODULE_PATH,
+    UNFUSED_PATH,
+    select_activation_path,
+)
+from mcore_activations.activation_spec import (
     ActivationKind,
     ActivationSpec,
     unfused_activation,
 )
-from megatron.core.transformer.mlp import (
-    FUSED_KERNEL_PATH,
-    MLP,
-    TE_MODULE_PATH,
-    UNFUSED_PATH,
-    MLPSubmodules,
-    _child_name,
-    select_activation_path,
-)
+from mcore_activations.fusions.fused_activation import fused_activation
+from mcore_activations.te_import import te_module
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -22,7 +22,12 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core.extensions.te_import import te_module
+from mcore_activations.activation_spec import (
+    ActivationSpec,
+    deinterleave_glu,
+    interleave_glu,
+)
+from mcore_activations.te_import import te_module
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -30,11 +35,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.activation_spec import (
-    ActivationSpec,
-    deinterleave_glu,
-    interleave_glu,
-)
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import is_te_min_version

@@ -1,0 +1,118 @@
+"""How an MLP layer computes its activation: one decision at construction, one call per forward.
+
+A layer (``MLP``, the routed experts, the shared experts; the fork's classes and, through
+``mcore_activations.megatron_patch``, upstream's) turns its config into an
+:class:`ActivationSpec`, asks :func:`select_activation_path` once which path computes it, and
+calls :func:`activate` on every forward:
+
+- **Transformer Engine module** (``use_te_activation_func`` with a TE activation builder): TE's
+  activation module. It takes no clamp, tanh scale or offset, so such a spec is refused.
+- **Fused kernels** (``bias_activation_fusion``): :func:`fused_activation`, which fuses the bias
+  add, every non-custom spec (clamps, SiTU-GLU, offsets) and the per-row probabilities.
+- **Unfused** (otherwise): :func:`unfused_activation`, plain torch ops calling the configured
+  ``activation_func`` itself, so any callable works.
+
+All three compute what :meth:`ActivationSpec.reference` defines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from mcore_activations.activation_spec import (
+    ActivationSpec,
+    UnsupportedActivationError,
+    unfused_activation,
+)
+from mcore_activations.fusions.fused_activation import fused_activation, lower_to_fused_kernel
+
+TE_MODULE_PATH = "te_module"
+FUSED_KERNEL_PATH = "fused_kernel"
+UNFUSED_PATH = "unfused"
+
+
+def select_activation_path(
+    config,
+    spec: ActivationSpec,
+    has_te_activation_builder: bool,
+    owner: str,
+) -> str:
+    """Chooses how a layer computes ``spec``, refusing what that path cannot compute.
+
+    Args:
+        config: Source of the path flags ``use_te_activation_func`` and
+            ``bias_activation_fusion`` (a ``TransformerConfig``, the fork's or upstream's).
+        spec: The activation to compute.
+        has_te_activation_builder: The layer's submodules name a TE activation module.
+            ``use_te_activation_func`` without one (e.g. with the local layer spec) computes the
+            same activation on the unfused path.
+        owner: The layer's class name, used in error messages.
+
+    Returns:
+        One of ``TE_MODULE_PATH``, ``FUSED_KERNEL_PATH`` and ``UNFUSED_PATH``.
+
+    Raises:
+        UnsupportedActivationError: The selected path cannot compute ``spec``.
+    """
+    if getattr(config, "use_te_activation_func", False) and has_te_activation_builder:
+        if not spec.is_plain:
+            raise UnsupportedActivationError(
+                f"{owner}(use_te_activation_func=True)",
+                spec,
+                "Transformer Engine's activation modules take no clamp, tanh clamp scale or "
+                "linear offset",
+                "Set use_te_activation_func=False; bias_activation_fusion=True computes it "
+                "with the fused kernels.",
+            )
+        return TE_MODULE_PATH
+    if config.bias_activation_fusion:
+        # Lowering now, not at the first forward, makes an unsupported config fail at build.
+        lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
+        return FUSED_KERNEL_PATH
+    return UNFUSED_PATH
+
+
+def activate(
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    probs: Optional[torch.Tensor],
+    *,
+    spec: ActivationSpec,
+    path: str,
+    activation_func: Callable,
+    fp8_input_store: bool = False,
+    cpu_offload_input: bool = False,
+) -> torch.Tensor:
+    """The activation of fc1's output ``x`` (and fc1's unadded ``bias``) on ``path``.
+
+    Args:
+        x: fc1's output, in the GLU layout of ``spec``.
+        bias: fc1's bias when fc1 skipped adding it, else None.
+        probs: Optional per-row weights ``x.shape[:-1] + (1,)`` (MoE probabilities).
+        spec: The layer's activation.
+        path: The layer's path from :func:`select_activation_path`.
+        activation_func: The TE module on ``TE_MODULE_PATH``, else the configured callable.
+        fp8_input_store: Keep the fused kernels' saved input in FP8 (a memory saving).
+        cpu_offload_input: Tag the fused kernels' saved input for TE's CPU offloading.
+
+    Returns:
+        The activation in ``x.dtype``, with each row multiplied by ``probs``.
+    """
+    if path == FUSED_KERNEL_PATH:
+        return fused_activation(
+            x,
+            spec,
+            bias=bias,
+            probs=probs,
+            fp8_input_store=fp8_input_store,
+            cpu_offload_input=cpu_offload_input,
+        )
+    if bias is not None:
+        x = x + bias
+    if path == TE_MODULE_PATH:
+        out = activation_func(x)
+        return (out * probs).to(out.dtype) if probs is not None else out
+    return unfused_activation(x, spec, activation_func, probs=probs)

@@ -1,0 +1,406 @@
+"""ActivationSpec: the one description of an MLP activation that every code path follows.
+
+An MLP layer can run through many paths (unfused ``MLP``, compiled fused kernels, shared and routed
+experts, Transformer Engine fused ops). Deciding "which activation" separately in each path is how
+upstream shipped fused classes that silently ran plain SwiGLU for a clamped or SiTU-GLU config.
+Here the decision is made once: :meth:`ActivationSpec.from_config` turns the config's activation
+fields into a frozen value, every backend *lowers* that value to its implementation or refuses it
+with :class:`UnsupportedActivationError`, and :meth:`ActivationSpec.reference` is the formula every
+test compares against.
+
+Formulas (``g`` / ``u``: gate / linear half of the fc1 output, ``act``: the base function):
+
+* gated: ``act(g') * (L + offset)`` with ``g' = min(g, c)`` when a clamp ``c`` is set; ``L = u``,
+  or ``clamp(u, -c, c)`` with a clamp, or ``s_l * tanh(u / s_l)`` with a linear tanh scale.
+* SiTU-GLU (gated SiLU with a tanh scale ``s_g``): the gate is ``s_g * tanh(g / s_g) * sigmoid(g)``;
+  the sigmoid takes the *raw* gate.
+* non-gated: ``act(x)``, or ``act(s_g * tanh(x / s_g))`` with a tanh scale.
+* per-token probabilities (MoE) multiply the result row-wise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class UnsupportedActivationError(ValueError):
+    """An MLP path cannot compute the configured activation.
+
+    Raised at construction by the lowering of an :class:`ActivationSpec` to a backend, naming the
+    path, the activation, the reason and what to configure instead.
+    """
+
+    def __init__(self, path: str, spec: ActivationSpec, reason: str, alternative: str):
+        self.path = path
+        self.spec = spec
+        self.reason = reason
+        self.alternative = alternative
+        super().__init__(f"{path} cannot compute {spec.name}: {reason}. {alternative}")
+
+
+class ActivationKind(str, enum.Enum):
+    """The base elementwise function (applied to the gate half when gated)."""
+
+    SILU = "silu"
+    GELU = "gelu"  # exact (erf) GELU, ``F.gelu``
+    GELU_TANH = "gelu_tanh"  # tanh approximation, ``activations.fast_gelu``
+    QUICK_GELU = "quick_gelu"  # x * sigmoid(1.702 x)
+    RELU = "relu"
+    SQUARED_RELU = "squared_relu"
+    CUSTOM = "custom"  # any other callable: only the unfused eager path can run it
+
+
+QUICK_GELU_ALPHA = 1.702
+
+_GATED_NAMES = {
+    ActivationKind.SILU: "SwiGLU",
+    ActivationKind.GELU: "GEGLU (erf)",
+    ActivationKind.GELU_TANH: "GEGLU",
+    ActivationKind.QUICK_GELU: "quick-GEGLU",
+    ActivationKind.RELU: "ReGLU",
+    ActivationKind.SQUARED_RELU: "squared-ReGLU",
+    ActivationKind.CUSTOM: "GLU",
+}
+_UNARY_NAMES = {
+    ActivationKind.SILU: "SiLU",
+    ActivationKind.GELU: "GELU (erf)",
+    ActivationKind.GELU_TANH: "GELU",
+    ActivationKind.QUICK_GELU: "quick-GELU",
+    ActivationKind.RELU: "ReLU",
+    ActivationKind.SQUARED_RELU: "squared-ReLU",
+    ActivationKind.CUSTOM: "custom activation",
+}
+
+
+# Upstream megatron-core's activation callables, by module and name.
+_UPSTREAM_CALLABLES = {
+    "megatron.core.activations": {
+        "fast_gelu": ActivationKind.GELU_TANH,
+        "quick_gelu": ActivationKind.QUICK_GELU,
+        "squared_relu": ActivationKind.SQUARED_RELU,
+    },
+    "megatron.core.fusions.fused_bias_geglu": {"quick_gelu": ActivationKind.QUICK_GELU},
+}
+
+
+def activation_kind_of(func: Callable) -> ActivationKind:
+    """Classifies an ``activation_func`` by identity (never by name or behaviour).
+
+    Both of megatron.core's ``quick_gelu`` copies map to QUICK_GELU (upstream only recognised the
+    one in ``fused_bias_geglu``, so the other silently took a different branch). When an upstream
+    megatron-core is installed (the patch of docs/using-with-megatron-lm.md), its callables of
+    the same names are recognised too: they are other objects computing the same functions.
+    """
+    # Local imports: the fusion modules import this module.
+    from mcore_activations import activations
+    from mcore_activations.fusions import fused_bias_geglu
+
+    table = {
+        F.silu: ActivationKind.SILU,
+        F.gelu: ActivationKind.GELU,
+        activations.fast_gelu: ActivationKind.GELU_TANH,
+        activations.quick_gelu: ActivationKind.QUICK_GELU,
+        fused_bias_geglu.quick_gelu: ActivationKind.QUICK_GELU,
+        F.relu: ActivationKind.RELU,
+        torch.relu: ActivationKind.RELU,
+        activations.squared_relu: ActivationKind.SQUARED_RELU,
+    }
+    for known, kind in table.items():
+        if func is known:
+            return kind
+    for module_name, names in _UPSTREAM_CALLABLES.items():
+        # Only modules the caller already imported: the spec never imports megatron.core.
+        module = sys.modules.get(module_name)
+        for name, kind in names.items():
+            if module is not None and func is getattr(module, name, None):
+                return kind
+    return ActivationKind.CUSTOM
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """A complete, immutable description of an MLP activation.
+
+    Build it with :meth:`from_config` (the one place that reads the config's activation fields) or
+    directly in tests and tools. Values are validated on construction.
+
+    Attributes:
+        kind: Base elementwise function.
+        gated: Whether the input holds ``[gate, linear]`` halves (a GLU).
+        clamp_value: Hard clamp ``c`` of a GLU: gate ``<= c``, linear half in ``[-c, c]``.
+        gate_tanh_scale: Tanh soft-clamp scale ``s_g`` (SiTU-GLU gate, or the input of a
+            non-gated activation).
+        linear_tanh_scale: SiTU-GLU linear-half scale ``s_l``.
+        linear_offset: Added to a GLU's linear half after clamping (gpt-oss uses 1.0).
+        glu_interleave_size: When set, the GLU input is laid out in blocks
+            ``[g_0..g_{k-1}, u_0..u_{k-1}, g_k.., u_k.., ...]`` instead of two halves.
+        custom_func: The callable of a CUSTOM kind.
+    """
+
+    kind: ActivationKind
+    gated: bool = False
+    clamp_value: Optional[float] = None
+    gate_tanh_scale: Optional[float] = None
+    linear_tanh_scale: Optional[float] = None
+    linear_offset: float = 0.0
+    glu_interleave_size: Optional[int] = None
+    custom_func: Optional[Callable] = field(default=None, compare=True)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", ActivationKind(self.kind))
+        for name in ("clamp_value", "gate_tanh_scale", "linear_tanh_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                value = float(value)
+                if not (math.isfinite(value) and value > 0.0):
+                    raise ValueError(
+                        f"ActivationSpec.{name} must be finite and greater than zero, "
+                        f"got {value!r}."
+                    )
+                object.__setattr__(self, name, value)
+        offset = float(self.linear_offset)
+        if not math.isfinite(offset):
+            raise ValueError(f"ActivationSpec.linear_offset must be finite, got {offset!r}.")
+        object.__setattr__(self, "linear_offset", offset)
+        if not self.gated:
+            for name in ("clamp_value", "linear_tanh_scale", "glu_interleave_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"ActivationSpec.{name} requires gated=True.")
+            if offset != 0.0:
+                raise ValueError("ActivationSpec.linear_offset requires gated=True.")
+        if self.clamp_value is not None and self.gate_tanh_scale is not None:
+            raise ValueError("ActivationSpec: clamp_value and gate_tanh_scale are exclusive.")
+        if self.gated and self.gate_tanh_scale is not None and self.kind != ActivationKind.SILU:
+            raise ValueError("ActivationSpec: a gated tanh clamp (SiTU-GLU) requires kind=SILU.")
+        if self.linear_tanh_scale is not None and self.gate_tanh_scale is None:
+            raise ValueError("ActivationSpec.linear_tanh_scale requires gate_tanh_scale.")
+        k = self.glu_interleave_size
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k <= 0):
+            raise ValueError(
+                f"ActivationSpec.glu_interleave_size must be a positive int, got {k!r}."
+            )
+        if (self.kind == ActivationKind.CUSTOM) != (self.custom_func is not None):
+            raise ValueError(
+                "ActivationSpec.custom_func is required for, and only for, kind=CUSTOM."
+            )
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_config(cls, config, *, glu_interleave_size: Optional[int] = None) -> ActivationSpec:
+        """Builds the spec from a ``TransformerConfig`` (or any object with its fields).
+
+        Args:
+            config: Source of ``activation_func``, ``gated_linear_unit``,
+                ``activation_func_clamp_value``, ``activation_func_tanh_clamp_scale``,
+                ``activation_func_tanh_clamp_scale_linear`` and ``glu_linear_offset``. Missing
+                fields (e.g. on a ``SimpleNamespace``) take their defaults.
+            glu_interleave_size: The GLU block layout of the caller's fc1 output (routed / shared
+                experts); None for the two-halves layout.
+        """
+        func = getattr(config, "activation_func", F.gelu)
+        kind = activation_kind_of(func)
+        gated = bool(getattr(config, "gated_linear_unit", False))
+        return cls(
+            kind=kind,
+            gated=gated,
+            clamp_value=getattr(config, "activation_func_clamp_value", None),
+            gate_tanh_scale=getattr(config, "activation_func_tanh_clamp_scale", None),
+            linear_tanh_scale=getattr(config, "activation_func_tanh_clamp_scale_linear", None),
+            linear_offset=getattr(config, "glu_linear_offset", 0.0) or 0.0,
+            glu_interleave_size=glu_interleave_size if gated else None,
+            custom_func=func if kind == ActivationKind.CUSTOM else None,
+        )
+
+    def with_interleave(self, glu_interleave_size: Optional[int]) -> ActivationSpec:
+        """Returns a copy with another GLU layout (same math)."""
+        return dataclasses.replace(self, glu_interleave_size=glu_interleave_size)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def is_situ_glu(self) -> bool:
+        """Gated SiLU with a tanh gate scale (Kimi-K3 SiTU-GLU)."""
+        return self.gated and self.gate_tanh_scale is not None
+
+    @property
+    def is_plain(self) -> bool:
+        """No clamp, tanh scale or offset: the textbook form of ``kind``."""
+        return (
+            self.clamp_value is None
+            and self.gate_tanh_scale is None
+            and self.linear_tanh_scale is None
+            and self.linear_offset == 0.0
+        )
+
+    @property
+    def name(self) -> str:
+        """Readable name for tables and error messages, e.g. ``SwiGLU(clamp=7)``."""
+        if self.is_situ_glu:
+            base = "SiTU-GLU"
+        elif self.gated:
+            base = _GATED_NAMES[self.kind]
+        else:
+            base = _UNARY_NAMES[self.kind]
+        if self.kind == ActivationKind.CUSTOM:
+            base = f"{base} {getattr(self.custom_func, '__name__', repr(self.custom_func))}"
+        params = []
+        if self.clamp_value is not None:
+            params.append(f"clamp={_fmt(self.clamp_value)}")
+        if self.gate_tanh_scale is not None:
+            label = "s_g" if self.gated else "tanh_scale"
+            params.append(f"{label}={_fmt(self.gate_tanh_scale)}")
+        if self.linear_tanh_scale is not None:
+            params.append(f"s_l={_fmt(self.linear_tanh_scale)}")
+        if self.linear_offset != 0.0:
+            params.append(f"offset={_fmt(self.linear_offset)}")
+        if self.glu_interleave_size is not None:
+            params.append(f"interleave={self.glu_interleave_size}")
+        return f"{base}({', '.join(params)})" if params else base
+
+    def __str__(self) -> str:
+        return self.name
+
+    def base_function(self, x: torch.Tensor) -> torch.Tensor:
+        """The base function ``act`` in the dtype of ``x`` (no clamp, scale or offset)."""
+        if self.kind == ActivationKind.SILU:
+            return F.silu(x)
+        if self.kind == ActivationKind.GELU:
+            return F.gelu(x)
+        if self.kind == ActivationKind.GELU_TANH:
+            return F.gelu(x, approximate="tanh")
+        if self.kind == ActivationKind.QUICK_GELU:
+            return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
+        if self.kind == ActivationKind.RELU:
+            return F.relu(x)
+        if self.kind == ActivationKind.SQUARED_RELU:
+            return F.relu(x) ** 2
+        return self.custom_func(x)
+
+    # ------------------------------------------------------------------ reference
+    def reference(
+        self,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+        dtype: torch.dtype = torch.float64,
+    ) -> torch.Tensor:
+        """The reference formula, evaluated eagerly in ``dtype`` (float64 by default).
+
+        Differentiable with plain autograd: ``torch.clamp``'s gradient masks are inclusive at
+        the boundary, the semantics every fused backward must reproduce.
+
+        Args:
+            x: fc1 output ``[..., 2F]`` (gated) or ``[..., F]``.
+            bias: Optional fc1 bias added before the activation.
+            probs: Optional per-row probabilities ``[...]`` or ``[..., 1]`` multiplied into the
+                output.
+            dtype: Compute and result dtype.
+        """
+        h = x.to(dtype)
+        if bias is not None:
+            h = h + bias.to(dtype)
+        if self.gated:
+            gate, lin = deinterleave_glu(h, self.glu_interleave_size)
+            if self.clamp_value is not None:
+                gate = torch.clamp(gate, max=self.clamp_value)
+                lin = torch.clamp(lin, -self.clamp_value, self.clamp_value)
+            if self.is_situ_glu:
+                s_g = self.gate_tanh_scale
+                act = s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate)
+            else:
+                act = self.base_function(gate)
+            if self.linear_tanh_scale is not None:
+                s_l = self.linear_tanh_scale
+                lin = s_l * torch.tanh(lin / s_l)
+            out = act * (lin + self.linear_offset)
+        else:
+            if self.gate_tanh_scale is not None:
+                h = self.gate_tanh_scale * torch.tanh(h / self.gate_tanh_scale)
+            out = self.base_function(h)
+        if probs is not None:
+            probs = probs.to(dtype)
+            if probs.dim() == out.dim() - 1:
+                probs = probs.unsqueeze(-1)
+            out = out * probs
+        return out
+
+
+def deinterleave_glu(x: torch.Tensor, block: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Splits a GLU input into (gate, linear).
+
+    Without ``block`` the halves are ``x[..., :F]`` and ``x[..., F:]``. With ``block = k`` the last
+    dim holds blocks ``[g(k), u(k), g(k), u(k), ...]`` (the routed-experts layout); the result is
+    the same as for the de-interleaved halves.
+    """
+    if block is None:
+        gate, lin = torch.chunk(x, 2, dim=-1)
+        return gate, lin
+    width = x.shape[-1]
+    if width % (2 * block):
+        raise ValueError(
+            f"glu_interleave_size={block} does not divide the GLU width {width} into "
+            "[gate, linear] block pairs."
+        )
+    blocks = x.unflatten(-1, (width // (2 * block), 2, block))
+    return blocks[..., 0, :].flatten(-2), blocks[..., 1, :].flatten(-2)
+
+
+def interleave_glu(gate: torch.Tensor, lin: torch.Tensor, block: Optional[int]) -> torch.Tensor:
+    """Inverse of :func:`deinterleave_glu`."""
+    if block is None:
+        return torch.cat([gate, lin], dim=-1)
+    pairs = torch.stack([gate.unflatten(-1, (-1, block)), lin.unflatten(-1, (-1, block))], dim=-2)
+    return pairs.flatten(-3)
+
+
+def unfused_activation(
+    x: torch.Tensor,
+    spec: ActivationSpec,
+    activation_func: Optional[Callable] = None,
+    probs: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The unfused eager path: plain torch ops with autograd, in ``x.dtype``.
+
+    This is the path upstream's ``MLP`` takes without fusion. It applies the configured callable
+    itself (``activation_func``, default: the spec's base function), so a custom activation runs
+    here unchanged. Clamps use ``torch.clamp`` (inclusive gradient masks); tanh soft clamps and the
+    SiTU gate use ``activations.tanh_soft_clamp`` / ``activations.situ`` (float32 math).
+
+    Args:
+        x: Activation input (bias already added), GLU layout per ``spec.glu_interleave_size``.
+        spec: The activation.
+        activation_func: The configured callable; must be the function ``spec`` was built from.
+        probs: Optional per-row probabilities ``x.shape[:-1] + (1,)``; the product is cast back
+            to ``x.dtype``.
+    """
+    from mcore_activations.activations import situ, tanh_soft_clamp
+
+    func = activation_func if activation_func is not None else spec.base_function
+    if spec.gated:
+        gate, lin = deinterleave_glu(x, spec.glu_interleave_size)
+        if spec.clamp_value is not None:
+            gate = torch.clamp(gate, max=spec.clamp_value)
+            lin = torch.clamp(lin, -spec.clamp_value, spec.clamp_value)
+        act = situ(gate, spec.gate_tanh_scale) if spec.is_situ_glu else func(gate)
+        if spec.linear_tanh_scale is not None:
+            lin = tanh_soft_clamp(lin, spec.linear_tanh_scale)
+        out = act * (lin + spec.linear_offset) if spec.linear_offset else act * lin
+    else:
+        if spec.gate_tanh_scale is not None:
+            x = tanh_soft_clamp(x, spec.gate_tanh_scale)
+        out = func(x)
+    if probs is not None:
+        out = (out * probs).to(x.dtype)
+    return out

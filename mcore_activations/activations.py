@@ -1,0 +1,92 @@
+"""Activation functions used as ``TransformerConfig.activation_func`` values.
+
+The object identity of these functions matters: ``ActivationSpec`` classifies an
+``activation_func`` by identity (``activations.squared_relu`` is squared ReLU, ``fast_gelu`` the
+tanh GELU, and both ``quick_gelu`` copies are quick-GELU).
+
+Functions with a scale argument take it as a Python float and pass it to compiled code as a
+float32 tensor (docs/compile-safety.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mcore_activations.fusions.activation_kernels import params_tensor
+from mcore_activations.jit import jit_fuser
+
+
+@jit_fuser
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)**2``."""
+    return torch.pow(F.relu(x), 2)
+
+
+@jit_fuser
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+@jit_fuser
+def fast_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+@jit_fuser
+def _tanh_soft_clamp(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # float32 math: tanh saturates at |x/s| > ~9 in bf16 precision otherwise.
+    s = scale[0]
+    return (s * torch.tanh(x.float() / s)).to(x.dtype)
+
+
+@jit_fuser
+def _situ(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = scale[0]
+    xf = x.float()
+    return (s * torch.tanh(xf / s) * torch.sigmoid(xf)).to(x.dtype)
+
+
+def _scale_tensor(name: str, scale, device) -> torch.Tensor:
+    value = float(scale)
+    if not value > 0.0 or value == float("inf"):
+        raise ValueError(f"{name} must be finite and greater than zero, got {scale!r}.")
+    return params_tensor((value,), device)
+
+
+def tanh_soft_clamp(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Soft clamp ``scale * tanh(x / scale)`` into ``(-scale, scale)``, computed in float32."""
+    return _tanh_soft_clamp(x, _scale_tensor("scale", scale, x.device))
+
+
+def situ(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """SiTU: ``scale * tanh(x / scale) * sigmoid(x)`` (the sigmoid takes the raw input)."""
+    return _situ(x, _scale_tensor("scale", scale, x.device))
+
+
+def situ_glu(
+    x: torch.Tensor,
+    gate_scale: float,
+    linear_scale: Optional[float] = None,
+    linear_offset: float = 0.0,
+) -> torch.Tensor:
+    """SiTU-GLU of ``x = [gate, linear]``: ``situ(gate, s_g) * (L + linear_offset)``.
+
+    ``L`` is ``linear_scale * tanh(linear / linear_scale)`` when ``linear_scale`` is set, else the
+    linear half itself. Runs on the fused activation kernels (differentiable).
+    """
+    from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+    from mcore_activations.fusions.fused_activation import fused_activation
+
+    spec = ActivationSpec(
+        ActivationKind.SILU,
+        gated=True,
+        gate_tanh_scale=gate_scale,
+        linear_tanh_scale=linear_scale,
+        linear_offset=linear_offset,
+    )
+    return fused_activation(x, spec)

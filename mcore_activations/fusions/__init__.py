@@ -1,0 +1,1 @@
+"""Fused activation kernels and upstream megatron-core's fused entry points (same names)."""

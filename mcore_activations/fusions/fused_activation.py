@@ -1,0 +1,181 @@
+"""Fused activation: autograd.Function and functional API over the activation kernels.
+
+``fused_activation(x, spec, bias=..., probs=...)`` computes ``spec`` (an ``ActivationSpec``) in
+one fused forward kernel and one fused backward kernel. The upstream-named entry points
+(``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``weighted_bias_quick_geglu_impl``,
+``bias_geglu_impl``, ``bias_gelu_impl``, ``weighted_squared_relu_impl``) and the MLP / expert
+fused paths all come here, so they share one implementation per activation.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mcore_activations.activation_spec import (
+    ActivationKind,
+    ActivationSpec,
+    UnsupportedActivationError,
+)
+from mcore_activations.fusions.activation_kernels import (
+    KernelVariant,
+    backward_kernel,
+    backward_math_fn,
+    forward_kernel,
+    forward_math_fn,
+    params_tensor,
+    spec_params,
+)
+
+FP8_STORE_DTYPE = torch.float8_e4m3fn
+
+
+def activation_forward(
+    spec: ActivationSpec, x, bias=None, probs=None, *, eager: bool = False
+) -> torch.Tensor:
+    """Raw forward kernel (no autograd) on any-rank ``x``; ``probs`` has one value per row.
+
+    ``eager=True`` runs the uncompiled kernel body (used as the eager twin of compiled entry
+    points).
+    """
+    variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
+    x2d, probs2d = _flatten(x, probs)
+    params = params_tensor(spec_params(spec), x.device)
+    fn = forward_math_fn(variant) if eager else forward_kernel(variant)
+    out = fn(x2d, bias, probs2d, params)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *, eager=False):
+    """Raw backward kernel on any-rank inputs: ``(dx, dbias or None, dprobs or None)``."""
+    variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
+    x2d, probs2d = _flatten(x, probs)
+    grad2d = grad.reshape(x2d.shape[0], grad.shape[-1])
+    params = params_tensor(spec_params(spec), x.device)
+    fn = backward_math_fn(variant) if eager else backward_kernel(variant)
+    dx, dbias, dprobs = fn(grad2d, x2d, bias, probs2d, params)
+    if dprobs is not None:
+        dprobs = dprobs.view(probs.shape)
+    return dx.view(x.shape), dbias, dprobs
+
+
+def _flatten(x, probs):
+    x2d = x.reshape(-1, x.shape[-1])
+    probs2d = probs.reshape(-1, 1) if probs is not None else None
+    if probs2d is not None and probs2d.shape[0] != x2d.shape[0]:
+        raise ValueError(
+            f"probs with {probs2d.shape[0]} rows do not match the {x2d.shape[0]} rows of the "
+            "activation input."
+        )
+    return x2d, probs2d
+
+
+def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offload_input=False):
+    """Forward half of every activation ``autograd.Function`` in megatron.core.fusions.
+
+    Runs the kernel on 2-D inputs and saves only the activation input (optionally as fp8 e4m3,
+    which is lossy: the backward then differentiates at the rounded input) plus bias and
+    probabilities; the backward kernel recomputes the forward.
+    """
+    variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
+    params = params_tensor(spec_params(spec), x.device)
+    # The kernels work on rows; any leading shape is flattened here and restored on the way out.
+    ctx.input_shape = x.shape
+    ctx.probs_shape = probs.shape if probs is not None else None
+    x, probs = _flatten(x, probs)
+    out = forward_kernel(variant)(x, bias, probs, params)
+    stored = x.to(FP8_STORE_DTYPE) if fp8_input_store else x
+    if cpu_offload_input:
+        for tensor in (stored, bias, probs):
+            if tensor is not None:
+                tensor.activation_offloading = True
+    ctx.save_for_backward(stored, bias, probs)
+    # ``params`` is cached across calls and may be an inference tensor; it is read-only and never
+    # needs a gradient, so it is kept as a plain attribute rather than a saved tensor.
+    ctx.params = params
+    ctx.variant = variant
+    ctx.input_dtype = x.dtype
+    return out.view(*ctx.input_shape[:-1], out.shape[-1])
+
+
+def saved_backward(ctx, grad):
+    """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
+    stored, bias, probs = ctx.saved_tensors
+    x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
+    grad2d = grad.reshape(x.shape[0], grad.shape[-1]).contiguous()
+    dx, dbias, dprobs = backward_kernel(ctx.variant)(grad2d, x, bias, probs, ctx.params)
+    if dprobs is not None:
+        dprobs = dprobs.view(ctx.probs_shape)
+    return dx.view(ctx.input_shape), dbias, dprobs
+
+
+class FusedActivationFunction(torch.autograd.Function):
+    """Autograd wrapper of the activation kernels (see :func:`save_and_forward`)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input):
+        """Runs the forward kernel of ``spec``."""
+        return save_and_forward(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+
+    @staticmethod
+    def backward(ctx, grad):
+        """Gradients for x, bias and probs."""
+        dx, dbias, dprobs = saved_backward(ctx, grad)
+        return dx, dbias, dprobs, None, None, None
+
+
+def check_impl_input(input: torch.Tensor) -> None:
+    """The upstream ``*_impl`` entry points take ``[tokens, width]`` or ``[seq, batch, width]``."""
+    if input.dim() not in (2, 3):
+        raise ValueError(f"expected a 2-D or 3-D activation input, got shape {tuple(input.shape)}")
+
+
+def lower_to_fused_kernel(spec: ActivationSpec, path: str) -> ActivationSpec:
+    """Checks that the fused kernels can compute ``spec``; returns it unchanged.
+
+    Raises:
+        UnsupportedActivationError: for a custom activation function, which only the unfused
+            eager path can run.
+    """
+    if spec.kind == ActivationKind.CUSTOM:
+        raise UnsupportedActivationError(
+            path,
+            spec,
+            "the fused kernels implement only silu, gelu, fast_gelu, quick_gelu, relu and "
+            "squared_relu",
+            "Use one of those activation functions or disable bias_activation_fusion.",
+        )
+    return spec
+
+
+def fused_activation(
+    x: torch.Tensor,
+    spec: ActivationSpec,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    fp8_input_store: bool = False,
+    cpu_offload_input: bool = False,
+) -> torch.Tensor:
+    """Applies ``spec`` to ``x`` with fused forward and backward kernels.
+
+    Args:
+        x: Activation input ``[..., 2F]`` for a GLU (layout per ``spec.glu_interleave_size``) or
+            ``[..., F]``.
+        spec: The activation.
+        bias: Optional bias ``[x.shape[-1]]`` added to ``x`` first (in float32).
+        probs: Optional per-row probabilities, ``x.shape[:-1]`` or ``x.shape[:-1] + (1,)``;
+            differentiable.
+        fp8_input_store: Save the input as fp8 e4m3 for the backward pass.
+        cpu_offload_input: Tag the saved tensors for activation offloading.
+
+    Returns:
+        ``[..., F]`` in ``x.dtype``.
+    """
+    lower_to_fused_kernel(spec, "fused_activation")
+    width = x.shape[-1]
+    if bias is not None and tuple(bias.shape) != (width,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match input width {width}.")
+    _flatten(x, probs)  # validates the row counts before autograd records anything
+    return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)

@@ -1,0 +1,376 @@
+"""Audit of an installed upstream megatron-core: does each MLP path compute its configured activation?
+
+``mcore-activations-audit`` (or ``python -m mcore_activations.upstream_audit``) builds upstream's
+own MLP classes for a set of activations, runs forward and backward on inputs large enough to hit
+every clamp, and compares the output and the input gradient with the float64 reference of
+:class:`ActivationSpec` (``fc2(reference(fc1(x)))`` on the layer's own weights, probabilities
+included). ``--before-after`` prints the table for upstream as installed, then again after
+:func:`patch_megatron_core`; it also replays the stale-scalar call sequence of upstream issue #6918
+on the compiled entry points. A cell is ``match``, ``MISMATCH`` (a silent wrong result),
+``refused`` (the layer raised a ValueError at construction: the named refusals of the patch, or
+upstream's config rules), ``error`` (an exception at run time) or ``n/a``.
+
+Exit status: 0 when the last table has no ``MISMATCH`` and no ``error``, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+
+MATCH_RTOL = 1e-5  # norm-relative error of fp32 GEMMs and fp32 activation math vs float64
+
+
+@dataclass(frozen=True)
+class AuditActivation:
+    """One column of the table: a name and the config fields that select it."""
+
+    name: str
+    fields: Callable[[], dict]
+
+
+def _quick_gelu():
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
+
+
+def _squared_relu():
+    from megatron.core.activations import squared_relu
+
+    return squared_relu
+
+
+ACTIVATIONS = (
+    AuditActivation("SwiGLU", lambda: dict(activation_func=F.silu, gated_linear_unit=True)),
+    AuditActivation(
+        "DeepSeek-V4 clamped SwiGLU",
+        lambda: dict(
+            activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=0.5
+        ),
+    ),
+    AuditActivation(
+        "gpt-oss quick-GEGLU",
+        lambda: dict(
+            activation_func=_quick_gelu(),
+            gated_linear_unit=True,
+            activation_func_clamp_value=1.5,
+            glu_linear_offset=1.0,
+        ),
+    ),
+    AuditActivation("GEGLU", lambda: dict(activation_func=F.gelu, gated_linear_unit=True)),
+    AuditActivation(
+        "squared ReLU", lambda: dict(activation_func=_squared_relu(), gated_linear_unit=False)
+    ),
+)
+
+HIDDEN, FFN, TOKENS, EXPERTS = 32, 48, 24, 2
+
+
+def _config(fields: dict, *, fused: bool, device: str):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=FFN,
+        moe_shared_expert_intermediate_size=FFN,
+        add_bias_linear=False,
+        bias_activation_fusion=fused,
+        use_cpu_initialization=device == "cpu",
+        params_dtype=torch.float32,
+        **fields,
+    )
+
+
+# --------------------------------------------------------------------------------- the paths
+
+
+def _local_submodules():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _te_submodules():
+    from megatron.core.extensions.transformer_engine import (
+        TELayerNormColumnParallelLinear,
+        TERowParallelLinear,
+    )
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)
+
+
+def _fc1_input(fc1, x: torch.Tensor) -> torch.Tensor:
+    """fc1's input after its fused LayerNorm, when fc1 has one (TE LayerNorm linears)."""
+    weight = getattr(fc1, "layer_norm_weight", None)
+    if weight is None:
+        return x
+    bias = getattr(fc1, "layer_norm_bias", None)
+    eps = getattr(fc1, "eps", 1e-5)
+    return F.layer_norm(
+        x, x.shape[-1:], weight.double(), None if bias is None else bias.double(), eps
+    )
+
+
+def _mlp_reference(layer, x: torch.Tensor, probs=None) -> torch.Tensor:
+    spec = ActivationSpec.from_config(layer.config)
+    h = _fc1_input(layer.linear_fc1, x) @ layer.linear_fc1.weight.double().t()
+    a = spec.reference(h)
+    if probs is not None:
+        a = a * probs.double().unsqueeze(-1)
+    return a @ layer.linear_fc2.weight.double().t()
+
+
+def _build_mlp(config, submodules, cls=None):
+    from megatron.core.transformer.mlp import MLP
+
+    return (cls or MLP)(config, submodules, ffn_hidden_size=FFN)
+
+
+def path_mlp(fields, *, fused, device, te=False, cls_name=None):
+    """(layer, run, reference) for upstream's MLP (or a TE fused subclass)."""
+    config = _config(fields, fused=fused, device=device)
+    cls = None
+    if cls_name is not None:
+        from megatron.core.extensions import transformer_engine
+
+        cls = getattr(transformer_engine, cls_name, None)
+        if cls is None:
+            raise _NotAvailable(f"{cls_name} is not defined (Transformer Engine missing or old)")
+    layer = _build_mlp(config, _te_submodules() if te else _local_submodules(), cls).to(device)
+    return layer, lambda x: layer(x)[0], lambda x: _mlp_reference(layer, x)
+
+
+def _pg_collection():
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    return get_default_pg_collection()
+
+
+def path_shared(fields, *, fused, device):
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+    config = _config(fields, fused=fused, device=device)
+    layer = SharedExpertMLP(
+        config, _local_submodules(), gate=False, pg_collection=_pg_collection()
+    ).to(device)
+    return layer, layer, lambda x: _mlp_reference(layer, x)
+
+
+def path_sequential(fields, *, fused, device):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    config = _config(fields, fused=fused, device=device)
+    layer = SequentialMLP(EXPERTS, config, _local_submodules(), pg_collection=_pg_collection()).to(
+        device
+    )
+    split = torch.tensor([TOKENS // 2, TOKENS - TOKENS // 2])
+    probs = torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
+
+    def run(x):
+        return layer(x, split, probs)[0]
+
+    def reference(x):
+        parts, start = [], 0
+        for expert, n in zip(layer.local_experts, split.tolist()):
+            parts.append(_mlp_reference(expert, x[start : start + n], probs[start : start + n]))
+            start += n
+        return torch.cat(parts)
+
+    return layer, run, reference
+
+
+class _NotAvailable(Exception):
+    pass
+
+
+def _paths(device: str, with_te: bool) -> dict[str, Callable]:
+    paths = {
+        "MLP (unfused)": lambda f: path_mlp(f, fused=False, device=device),
+        "MLP (bias_activation_fusion)": lambda f: path_mlp(f, fused=True, device=device),
+        "SharedExpertMLP (bias_activation_fusion)": lambda f: path_shared(
+            f, fused=True, device=device
+        ),
+        "SequentialMLP (unfused)": lambda f: path_sequential(f, fused=False, device=device),
+        "SequentialMLP (bias_activation_fusion)": lambda f: path_sequential(
+            f, fused=True, device=device
+        ),
+    }
+    if with_te:
+        paths["MLP (TE linears)"] = lambda f: path_mlp(f, fused=False, device=device, te=True)
+        paths["TEFusedMLP"] = lambda f: path_mlp(
+            f, fused=False, device=device, te=True, cls_name="TEFusedMLP"
+        )
+    return paths
+
+
+# ---------------------------------------------------------------------------------- one cell
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def audit_cell(build: Callable, fields: dict, device: str) -> str:
+    """Runs one path on one activation; returns the table cell."""
+    try:
+        layer, run, reference = build(fields)
+    except _NotAvailable as err:
+        return f"n/a ({err})"
+    except ValueError as err:
+        return f"refused ({type(err).__name__}: {str(err).splitlines()[0][:90]})"
+    except Exception as err:  # noqa: BLE001 - the audit reports every failure as a cell
+        return f"error at build ({type(err).__name__}: {str(err)[:90]})"
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            # Large weights: fc1 outputs of a few units, so every clamp is hit on many elements.
+            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if p.dim() > 1 else 0.1))
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device).requires_grad_(True)
+    try:
+        out = run(x)
+        grad_out = torch.randn(out.shape, generator=gen).to(device)
+        out.backward(grad_out)
+    except Exception as err:  # noqa: BLE001
+        return f"error ({type(err).__name__}: {str(err).splitlines()[0][:90]})"
+    x64 = x.detach().double().requires_grad_(True)
+    ref = reference(x64)
+    ref.backward(grad_out.double())
+    err = max(_rel(out.detach(), ref.detach()), _rel(x.grad, x64.grad))
+    return f"match ({err:.1e})" if err <= MATCH_RTOL else f"MISMATCH ({err:.1e})"
+
+
+# --------------------------------------------------------------------- stale compiled scalars
+
+
+def stale_scalar_row(device: str) -> dict[str, str]:
+    """Upstream issue #6918's call sequence on the compiled clamped-SwiGLU entry points."""
+    from megatron.core.fusions import fused_bias_swiglu as f
+
+    if not hasattr(f, "clamped_swiglu"):
+        return {"compiled clamped_swiglu (#6918 sequence)": "n/a (this upstream has none)"}
+    worst = 0.0
+    gen = torch.Generator().manual_seed(6918)
+    for shape, grad, clamp in (((1, 2), False, 1.0), ((1, 4), True, 0.5), ((1, 4), True, 1.0)):
+        y = (torch.randn(shape, generator=gen) * 2).to(device).requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = f.clamped_swiglu(y, clamp)
+        spec = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=clamp)
+        worst = max(worst, float((out.double() - spec.reference(y.detach().double())).abs().max()))
+        if grad:
+            g = torch.ones(shape[0], shape[1] // 2, device=device)
+            back = f.clamped_swiglu_back(g, y.detach(), clamp)
+            y64 = y.detach().double().requires_grad_(True)
+            spec.reference(y64).backward(g.double())
+            worst = max(worst, float((back.double() - y64.grad).abs().max()))
+    cell = f"exact ({worst:.1e})" if worst <= 1e-6 else f"STALE (off by {worst:.4f})"
+    return {"compiled clamped_swiglu (#6918 sequence)": cell}
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+def _init_parallel(device: str) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        backend = "nccl" if device == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, world_size=1, rank=0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    if device == "cuda":
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    else:
+        # Upstream's inference RNG tracker needs no CUDA generator.
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+
+def audit_table(device: str, with_te: bool) -> dict[str, dict[str, str]]:
+    """``{path: {activation: cell}}`` for the installed megatron-core as it is now."""
+    table = {}
+    for path_name, build in _paths(device, with_te).items():
+        table[path_name] = {a.name: audit_cell(build, a.fields(), device) for a in ACTIVATIONS}
+    table["compiled entry points"] = stale_scalar_row(device)
+    return table
+
+
+def format_table(title: str, table: dict[str, dict[str, str]]) -> str:
+    columns = [a.name for a in ACTIVATIONS]
+    lines = [f"### {title}", "", "| path | " + " | ".join(columns) + " |"]
+    lines.append("|---" * (len(columns) + 1) + "|")
+    for path_name, row in table.items():
+        if path_name == "compiled entry points":
+            for name, cell in row.items():
+                lines.append(f"| {name} | {cell} |" + " |" * (len(columns) - 1))
+            continue
+        lines.append(f"| {path_name} | " + " | ".join(row.get(c, "") for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def _bad(table) -> bool:
+    cells = [c for row in table.values() for c in row.values()]
+    return any(c.startswith(("MISMATCH", "error", "STALE")) for c in cells)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before-after", action="store_true", help="audit, patch, audit again")
+    parser.add_argument("--patch", action="store_true", help="patch first, then audit")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", help="write the tables to this file")
+    args = parser.parse_args(argv)
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the comparison is with float64
+    torch.backends.cudnn.allow_tf32 = False
+    from mcore_activations import megatron_patch
+    from mcore_activations.te_import import have_te
+
+    with_te = args.device == "cuda" and have_te()
+    _init_parallel(args.device)
+    _, description = megatron_patch.installed_upstream()
+    tables = {}
+    if args.before_after:
+        tables["before"] = audit_table(args.device, with_te)
+        print(format_table(f"{description}, as installed", tables["before"]) + "\n")
+    if args.before_after or args.patch:
+        report = megatron_patch.patch_megatron_core()
+        print(report.summary() + "\n")
+    tables["after" if (args.before_after or args.patch) else "as installed"] = audit_table(
+        args.device, with_te
+    )
+    title = list(tables)[-1]
+    print(format_table(f"{description}, {title} patch_megatron_core()", tables[title]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"upstream": description, "device": args.device, "tables": tables}, f, indent=1
+            )
+    return 1 if _bad(tables[title]) else 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        try:
+            sys.exit(main())
+        except Exception:
+            traceback.print_exc()
+            sys.exit(2)

@@ -1,0 +1,44 @@
+# Sourced by scripts/test.sh (and usable alone): builds or reuses .venv-upstream, a Python 3.12
+# environment laid out as a user's would be: torch, upstream megatron-core from the package index
+# (MCORE_SPEC, default 0.19.2) and, next to it, this repository installed as
+# megatron-core-activations (non-editable, exactly as `pip install <repo>` does). The pip output of
+# that install is kept in install-activations.log for the packaging test. Upstream main (the
+# ../shared/upstream archive, when present) is unpacked into upstream-main/ for the tests that
+# target it; elsewhere, set UPSTREAM_MAIN_ARCHIVE.
+#
+# PyPI has no CPU-only torch build for Python 3.12; its default (CUDA) build runs on the CPU.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+UVENV=${UPSTREAM_VENV:-$ROOT/.venv-upstream}
+MCORE_SPEC=${MCORE_SPEC:-megatron-core==0.19.2}
+UTORCH_SPEC=${UPSTREAM_TORCH_SPEC:-torch==2.13.0}
+if [ -z "${PYTHON312:-}" ]; then
+  # A pyenv shim may exist without a usable interpreter behind it: take the first that runs.
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python "$(command -v python3.12)"; do
+    if [ -x "$candidate" ] && "$candidate" -c "import sys" >/dev/null 2>&1; then
+      PYTHON312=$candidate
+      break
+    fi
+  done
+fi
+if [ -z "${PYTHON312:-}" ]; then
+  echo "upstream_env.sh: megatron-core >= 0.17 needs Python 3.12; set PYTHON312=/path/to/python3.12" >&2
+  return 1 2>/dev/null || exit 1
+fi
+UPY="$UVENV/bin/python"
+if [ ! -f "$UVENV/.upstream-installed" ]; then
+  rm -rf "$UVENV"
+  "$PYTHON312" -m venv "$UVENV"
+  "$UPY" -m pip install -q "$UTORCH_SPEC" numpy packaging "pytest>=8" setuptools wheel
+  "$UPY" -m pip install -q "$MCORE_SPEC"
+  touch "$UVENV/.upstream-installed"
+fi
+# Always reinstall this repository's package, so the tests see the current source.
+"$UPY" -m pip install --no-deps --no-build-isolation --force-reinstall "$ROOT" \
+  > "$UVENV/install-activations.log" 2>&1 || { cat "$UVENV/install-activations.log" >&2; exit 1; }
+ARCHIVE=${UPSTREAM_MAIN_ARCHIVE:-$(ls "$ROOT"/../shared/upstream/megatron-lm-main-*.tar.gz 2>/dev/null | head -n 1 || true)}
+if [ -n "$ARCHIVE" ] && [ ! -d "$UVENV/upstream-main/megatron" ]; then
+  mkdir -p "$UVENV/upstream-main"
+  tar -xzf "$ARCHIVE" -C "$UVENV/upstream-main" --strip-components=1
+fi
+export MCORE_ACTIVATIONS_SOURCE="$ROOT"
