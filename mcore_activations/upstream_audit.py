@@ -1,4 +1,4 @@
-"""Audit of an installed upstream megatron-core: does each MLP path compute its configured activation?
+"""Audit of an installed upstream megatron-core: does each MLP path compute its activation?
 
 ``mcore-activations-audit`` (or ``python -m mcore_activations.upstream_audit``) builds upstream's
 own MLP classes for a set of activations, runs forward and backward on inputs large enough to hit

@@ -15,9 +15,9 @@ float. See docs/compile-safety.md for the full story and the recipe.
 
 This checker enforces the rule statically with :mod:`ast` (stdlib only, nothing is imported from
 the checked code). ``python tools/check_compiled_scalars.py [paths...] [--quiet]`` scans the given
-files and directories (default: the repository's ``megatron/``), prints one line per finding,
-``path:line: function 'name' parameter 'p' ... (reason)``, and a one-line summary. Exit status:
-0 when clean, 1 when there are findings, 2 when a path does not exist or a file cannot be read or
+files and directories (default: the repository's ``mcore_activations/`` and ``megatron/``),
+prints one line per finding, ``path:line: function 'name' parameter 'p' ... (reason)``, and a
+one-line summary. Exit status: 0 when clean, 1 when there are findings, 2 when a path does not exist or a file cannot be read or
 parsed (the message names the file, line and column; the other files are still checked).
 ``--quiet`` drops the summary line.
 
@@ -112,7 +112,7 @@ from pathlib import Path
 __all__ = ["CheckError", "Finding", "check_paths", "check_source", "main"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PATHS = (REPO_ROOT / "megatron",)
+DEFAULT_PATHS = (REPO_ROOT / "mcore_activations", REPO_ROOT / "megatron")
 
 _FLOAT_TYPE_NAMES = frozenset({"float", "SupportsFloat", "Real", "Number"})
 _TENSOR_TYPE_NAMES = frozenset({"Tensor", "Parameter"})
@@ -1030,7 +1030,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Report compiled functions that can receive an unguarded Python float."
     )
     parser.add_argument(
-        "paths", nargs="*", help="files or directories to check (default: the repo's megatron/)"
+        "paths",
+        nargs="*",
+        help="files or directories to check (default: mcore_activations/ and megatron/)",
     )
     parser.add_argument("--quiet", action="store_true", help="print findings only, no summary")
     args = parser.parse_args(argv)
