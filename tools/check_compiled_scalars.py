@@ -18,8 +18,8 @@ the checked code). ``python tools/check_compiled_scalars.py [paths...] [--quiet]
 files and directories (default: the repository's ``mcore_activations/`` and ``megatron/``),
 prints one line per finding, ``path:line: function 'name' parameter 'p' ... (reason)``, and a
 one-line summary. Exit status: 0 when clean, 1 when there are findings, 2 when a path does not
-exist or a file cannot be read or parsed (the message names the file, line and column; the other files are still checked).
-``--quiet`` drops the summary line.
+exist or a file cannot be read or parsed (the message names the file, line and column; the other
+files are still checked). ``--quiet`` drops the summary line.
 
 Compiled functions
 ------------------
