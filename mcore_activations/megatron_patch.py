@@ -16,7 +16,8 @@ for scripts nobody edits; see ``mcore_activations.autopatch``). It
 5. returns a :class:`PatchReport` naming every replaced object. ``unpatch_megatron_core()``
    restores the originals.
 
-Layers built before the patch keep upstream's behaviour: patch before building the model. What is
+Patch before building the model: then an activation no path computes fails at construction. A
+layer built before the patch decides at its first forward (or first op build) instead. What is
 patched, and why, is listed in docs/using-with-megatron-lm.md.
 """
 
@@ -294,6 +295,8 @@ def _offload_flag(config) -> bool:
 
 
 def _mlp_activate(layer, x, bias, per_token_scale):
+    if not hasattr(layer, "activation_path"):
+        _attach_mlp_activation(layer)  # a layer built before the patch: decide now
     probs = per_token_scale.unsqueeze(-1) if per_token_scale is not None else None
     return paths.activate(
         x,
@@ -445,6 +448,8 @@ def _check_fused_shared_expert(key: str):
 def _make_activation_op(self, activation_func, gated_linear_unit, cache_quantized_input):
     """TEFusedMLP's activation op (0.19.2): the lowering of the layer's spec."""
     del activation_func, gated_linear_unit, cache_quantized_input  # the spec holds all of it
+    if not hasattr(self, "_mcore_te_activation"):
+        _attach_mlp_activation(self)  # a layer built before the patch: lower now
     return self._mcore_te_activation.build()
 
 
@@ -463,7 +468,9 @@ def _wrap_make_fused_impl(original: Callable) -> Callable:
 def _make_te_ops_activation(activation_func, gated_linear_unit, cache_quantized_input):
     """Upstream main's TE activation-op builder, answered by the lowering of the layer's spec."""
     layer = _BUILDING_TE_FUSED_MLP.get(None)
-    if layer is not None and hasattr(layer, "_mcore_te_activation"):
+    if layer is not None:
+        if not hasattr(layer, "_mcore_te_activation"):
+            _attach_mlp_activation(layer)  # a layer built before the patch: lower now
         return layer._mcore_te_activation.build()
     from mcore_activations.te_lowering import _make_te_ops_activation as plain_lowering
 

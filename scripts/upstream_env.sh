@@ -33,8 +33,10 @@ if [ ! -f "$UVENV/.upstream-installed" ]; then
   "$UPY" -m pip install -q "$MCORE_SPEC"
   touch "$UVENV/.upstream-installed"
 fi
-# Always reinstall this repository's package, so the tests see the current source.
-"$UPY" -m pip install --no-deps --no-build-isolation --force-reinstall "$ROOT" \
+# Always reinstall this repository's package, so the tests see the current source; the old copy is
+# removed first, so that the log shows exactly what a first installation next to upstream does.
+"$UPY" -m pip uninstall -q -y megatron-core-activations >/dev/null 2>&1 || true
+"$UPY" -m pip install --no-deps --no-build-isolation "$ROOT" \
   > "$UVENV/install-activations.log" 2>&1 || { cat "$UVENV/install-activations.log" >&2; exit 1; }
 ARCHIVE=${UPSTREAM_MAIN_ARCHIVE:-$(ls "$ROOT"/../shared/upstream/megatron-lm-main-*.tar.gz 2>/dev/null | head -n 1 || true)}
 if [ -n "$ARCHIVE" ] && [ ! -d "$UVENV/upstream-main/megatron" ]; then

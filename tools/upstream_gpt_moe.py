@@ -273,12 +273,13 @@ def single_process_group(backend: str):
 
 def _check_not_the_fork(megatron_core) -> None:
     """Refuses to run when ``megatron.core`` is this repository's fork instead of upstream."""
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    core_dir = os.path.dirname(os.path.abspath(megatron_core.__file__))
-    if core_dir.startswith(repo_root + os.sep):
+    from mcore_activations.megatron_patch import is_standalone_fork
+
+    if is_standalone_fork():
         raise RuntimeError(
-            f"megatron.core was imported from this repository ({core_dir}); this tool needs an "
-            "installed upstream megatron-core. Do not put the repository root on PYTHONPATH."
+            f"megatron.core ({megatron_core.__file__}) is this repository's standalone fork; "
+            "this tool needs an installed upstream megatron-core. Keep the repository root off "
+            "PYTHONPATH."
         )
 
 
@@ -395,6 +396,7 @@ class _Calls:
     # Modules whose fused op sequence bypasses linear_fc1/linear_fc2 (TEFusedMLP, op-fuser
     # TEGroupedMLP): their whole output is checked instead of the fc2 input.
     module_errors: list = dataclasses.field(default_factory=list)
+    fc1_calls_before: int = 0  # len(fc1_out) when the current module call started
 
 
 class ActivationProbe:
@@ -453,6 +455,7 @@ class ActivationProbe:
         def module_pre_hook(_mod, args, kwargs):
             if not self.active or self._busy:
                 return
+            rec.fc1_calls_before = len(rec.fc1_out)
             probs = kwargs.get("per_token_scale", kwargs.get("permuted_probs"))
             if probs is None:
                 # SequentialMLP calls expert(tokens, probs); TEGroupedMLP(x, tokens_per_expert,
@@ -493,10 +496,11 @@ class ActivationProbe:
                     ref, _ = module.linear_fc2(act.to(y.dtype), *extra)
             finally:
                 self._busy = False
-            # The fc1 output the fused sequence saw is the same (same weights, same input): keep
-            # it for the clamp statistics.
-            rec.fc1_out.append(y.detach().clone())
-            rec.fc1_bias.append(None if bias is None else bias.detach().clone())
+            # A fused sequence bypasses linear_fc1, so the fc1 hook saw nothing: keep the
+            # recomputed fc1 output (same weights, same input) for the clamp statistics.
+            if len(rec.fc1_out) == rec.fc1_calls_before:
+                rec.fc1_out.append(y.detach().clone())
+                rec.fc1_bias.append(None if bias is None else bias.detach().clone())
             out = output[0] if isinstance(output, tuple) else output
             rec.module_errors.append(_rel_error(out, ref))
 
@@ -540,7 +544,7 @@ class ActivationProbe:
             if rec.module_errors:
                 checked = "module_output"
                 worst = max(rec.module_errors)
-                rows = sum(y.shape[0] for y in rec.fc1_out)
+                rows = sum(y.reshape(-1, y.shape[-1]).shape[0] for y in rec.fc1_out)
             else:
                 pairs = list(zip(rec.fc1_out, rec.fc1_bias, rec.fc2_in))
                 for i, (y, bias, got) in enumerate(pairs):

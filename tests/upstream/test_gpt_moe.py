@@ -1,19 +1,9 @@
 """End-to-end checks of ``mcore_activations``' patch on upstream megatron-core's own GPT+MoE.
 
-Run these INSIDE an environment with an upstream megatron-core (a separate pytest session from the
-fork's unit tests), with ``mcore_activations`` importable but the repository root NOT on
-``sys.path`` (the fork's ``megatron/`` package would shadow upstream's), e.g.::
-
-    cd /tmp && PYTHONPATH=/tmp/mcpath /tmp/up/v312full/bin/python -m pytest -q \
-        /work/main/tests/upstream/test_gpt_moe.py
-    cd /tmp && PYTHONPATH=/tmp/up/main/megatron-lm-d98e8a64:/tmp/mcpath \
-        /tmp/up/e2e/vmain/bin/python -m pytest -q /work/main/tests/upstream/test_gpt_moe.py
-
-where ``/tmp/mcpath`` holds only a link to ``mcore_activations``. Start ``python -m pytest`` from
-outside the repository (``-m`` puts the working directory on ``sys.path``), and keep
-``tests/upstream`` without an ``__init__.py`` (with one, pytest's default import mode would insert
-the repository root). The module skips itself with that reason if ``megatron`` resolves to the
-fork.
+Part of the upstream tier (tests/upstream/conftest.py): run by scripts/test.sh inside
+``.venv-upstream``, against upstream 0.19.2 (installed) and upstream main (``upstream-main/``), with
+the repository root off ``sys.path`` (the fork's ``megatron/`` would shadow upstream's). The module
+skips itself with that reason if ``megatron`` resolves to the fork.
 
 Every training run is a subprocess of ``tools/upstream_gpt_moe.py`` (a clamped SwiGLU, dense + MoE
 layers, 3 Adam steps, ``--json``), so the patch state, torch.distributed process groups and
@@ -44,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import TARGETS, target_env
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL_PATH = REPO_ROOT / "tools" / "upstream_gpt_moe.py"
@@ -63,6 +54,8 @@ def _load_tool():
     """Imports tools/upstream_gpt_moe.py by file path (the repository root stays off sys.path)."""
     spec = importlib.util.spec_from_file_location("upstream_gpt_moe", TOOL_PATH)
     module = importlib.util.module_from_spec(spec)
+    # dataclasses resolves string annotations through sys.modules[cls.__module__].
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -75,7 +68,7 @@ def _skip_reason():
     if megatron is None:
         return "no upstream megatron-core installed in this environment"
     for location in megatron.submodule_search_locations or []:
-        if Path(location).resolve().is_relative_to(REPO_ROOT):
+        if Path(location).resolve() == (REPO_ROOT / "megatron").resolve():
             return (
                 "`megatron` resolves to this repository's fork; these tests need upstream "
                 "megatron-core (keep the repository root off PYTHONPATH)"
@@ -89,7 +82,7 @@ pytestmark = pytest.mark.skipif(_reason is not None, reason=_reason or "")
 tool = _load_tool()
 
 
-def _run_one(tmp_dir: Path, tag: str, flags: list[str]) -> dict:
+def _run_one(tmp_dir: Path, tag: str, flags: list[str], env: dict) -> dict:
     """Runs the tool once in a fresh interpreter and returns its result dict."""
     out = tmp_dir / f"{tag}.json"
     cmd = [
@@ -106,12 +99,12 @@ def _run_one(tmp_dir: Path, tag: str, flags: list[str]) -> dict:
         str(out),
         *flags,
     ]
-    # The environment (PYTHONPATH included) passes through; cwd is the temporary directory so
-    # that nothing of the repository lands on sys.path besides the tool's own directory.
+    # cwd is the temporary directory so that nothing of the repository lands on sys.path
+    # besides the tool's own directory; the environment selects the upstream target.
     proc = subprocess.run(
         cmd,
         cwd=tmp_dir,
-        env=dict(os.environ),
+        env=env,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -124,35 +117,41 @@ def _run_one(tmp_dir: Path, tag: str, flags: list[str]) -> dict:
     return json.loads(out.read_text())
 
 
-def _run_pair(tmp_dir: Path, tag: str, flags: list[str]) -> dict:
+def _run_pair(tmp_dir: Path, tag: str, flags: list[str], target: str) -> dict:
     """Unfused and fused runs of one configuration, side by side (two processes at most)."""
+    env = target_env(target)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        unfused = pool.submit(_run_one, tmp_dir, f"{tag}_unfused", flags)
-        fused = pool.submit(_run_one, tmp_dir, f"{tag}_fused", [*flags, "--fused"])
+        unfused = pool.submit(_run_one, tmp_dir, f"{tag}_unfused", flags, env)
+        fused = pool.submit(_run_one, tmp_dir, f"{tag}_fused", [*flags, "--fused"], env)
         return {"unfused": unfused.result(), "fused": fused.result()}
 
 
-@pytest.fixture(scope="module")
-def patched(tmp_path_factory):
-    return _run_pair(tmp_path_factory.mktemp("patched"), "patched", ["--patch"])
+@pytest.fixture(scope="module", params=TARGETS)
+def upstream(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def unpatched(tmp_path_factory):
-    return _run_pair(tmp_path_factory.mktemp("unpatched"), "unpatched", [])
+def patched(tmp_path_factory, upstream):
+    return _run_pair(tmp_path_factory.mktemp("patched"), "patched", ["--patch"], upstream)
 
 
 @pytest.fixture(scope="module")
-def shared_patched(tmp_path_factory):
+def unpatched(tmp_path_factory, upstream):
+    return _run_pair(tmp_path_factory.mktemp("unpatched"), "unpatched", [], upstream)
+
+
+@pytest.fixture(scope="module")
+def shared_patched(tmp_path_factory, upstream):
+    flags = ["--patch", "--shared-expert"]
+    return _run_pair(tmp_path_factory.mktemp("shared_patched"), "shared_patched", flags, upstream)
+
+
+@pytest.fixture(scope="module")
+def shared_unpatched(tmp_path_factory, upstream):
+    flags = ["--shared-expert"]
     return _run_pair(
-        tmp_path_factory.mktemp("shared_patched"), "shared_patched", ["--patch", "--shared-expert"]
-    )
-
-
-@pytest.fixture(scope="module")
-def shared_unpatched(tmp_path_factory):
-    return _run_pair(
-        tmp_path_factory.mktemp("shared_unpatched"), "shared_unpatched", ["--shared-expert"]
+        tmp_path_factory.mktemp("shared_unpatched"), "shared_unpatched", flags, upstream
     )
 
 
@@ -266,7 +265,8 @@ def test_tool_parses_options_without_torch():
     code = (
         "import importlib.util, sys; "
         f"s = importlib.util.spec_from_file_location('t', {str(TOOL_PATH)!r}); "
-        "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+        "m = importlib.util.module_from_spec(s); sys.modules['t'] = m; "
+        "s.loader.exec_module(m); "
         "m.parse_args([]); assert 'torch' not in sys.modules, 'tool imported torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=60)

@@ -1,0 +1,61 @@
+"""The upstream tier: this package installed next to upstream megatron-core, patching it.
+
+It runs inside ``.venv-upstream`` (scripts/upstream_env.sh): Python 3.12, upstream megatron-core
+0.19.2 installed from the package index, this repository installed as megatron-core-activations,
+and upstream main unpacked in ``upstream-main/``. Every check runs in a fresh interpreter
+(:func:`run_python`), so a patch, a compile cache or a process group never leaks between tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+MAIN_TREE = Path(sys.prefix) / "upstream-main"
+TARGETS = ("release", "main")
+
+
+def target_env(target: str) -> dict[str, str]:
+    """The environment of a subprocess that imports ``target``'s megatron.core."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_ACTIVATIONS_PATCH")}
+    env.pop("PYTHONPATH", None)
+    if target == "main":
+        if not (MAIN_TREE / "megatron" / "core").is_dir():
+            pytest.skip(f"upstream main is not unpacked at {MAIN_TREE} (scripts/upstream_env.sh)")
+        # megatron is a namespace package: main's tree, first on the path, provides megatron.core.
+        env["PYTHONPATH"] = str(MAIN_TREE)
+    env["OMP_NUM_THREADS"] = "1"
+    env["NO_VCS_VERSION"] = "1"  # upstream main would append the enclosing git sha
+    return env
+
+
+def run_python(code: str, target: str, *, env: dict | None = None, timeout: int = 600):
+    """Runs ``code`` in a fresh interpreter against ``target``; returns the CompletedProcess."""
+    full_env = target_env(target)
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).parent,
+    )
+
+
+def run_json(code: str, target: str, **kwargs):
+    """Runs ``code``, which must print one JSON document as its last line; returns it parsed."""
+    done = run_python(code, target, **kwargs)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(params=TARGETS)
+def target(request) -> str:
+    return request.param
