@@ -202,6 +202,39 @@ def path_sequential(fields, *, fused, device):
     return layer, run, reference
 
 
+def path_te_grouped(fields, *, fused, device):
+    """Upstream's TEGroupedMLP on TE grouped linears (its unfused activation closure)."""
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear,
+    )
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+
+    config = _config(fields, fused=fused, device=device)
+    submodules = GroupedMLPSubmodules(
+        linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
+    )
+    layer = TEGroupedMLP(EXPERTS, config, submodules, pg_collection=_pg_collection()).to(device)
+    split = torch.tensor([TOKENS // 2, TOKENS - TOKENS // 2])
+    probs = torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
+    spec = ActivationSpec.from_config(config)
+
+    def run(x):
+        return layer(x, split, probs)[0]
+
+    def reference(x):
+        parts, start = [], 0
+        for i, n in enumerate(split.tolist()):
+            w1 = getattr(layer.linear_fc1, f"weight{i}").double()
+            w2 = getattr(layer.linear_fc2, f"weight{i}").double()
+            a = spec.reference(x[start : start + n] @ w1.t()) * probs[start : start + n, None]
+            parts.append(a.double() @ w2.t())
+            start += n
+        return torch.cat(parts)
+
+    return layer, run, reference
+
+
 class _NotAvailable(Exception):
     pass
 
@@ -222,6 +255,13 @@ def _paths(device: str, with_te: bool) -> dict[str, Callable]:
         paths["MLP (TE linears)"] = lambda f: path_mlp(f, fused=False, device=device, te=True)
         paths["TEFusedMLP"] = lambda f: path_mlp(
             f, fused=False, device=device, te=True, cls_name="TEFusedMLP"
+        )
+        paths["TEFusedMLPWithGroupedLinear"] = lambda f: path_mlp(
+            f, fused=False, device=device, te=True, cls_name="TEFusedMLPWithGroupedLinear"
+        )
+        paths["TEGroupedMLP (unfused)"] = lambda f: path_te_grouped(f, fused=False, device=device)
+        paths["TEGroupedMLP (bias_activation_fusion)"] = lambda f: path_te_grouped(
+            f, fused=True, device=device
         )
     return paths
 
