@@ -379,21 +379,31 @@ def _check_grouped_mlp(key: str):
         if getattr(layer, "_with_fused_impl", False):
             _check_grouped_ops_choice(key, spec, f"{owner}(use_transformer_engine_op_fuser=True)")
         elif (
-            key == "0.19.2"
-            and config.bias_activation_fusion
+            config.bias_activation_fusion
             and k is None
-            and spec.kind == ActivationKind.SILU
-            and spec.gated
-            and spec.clamp_value is not None
             and not isinstance(layer.activation_func, torch.nn.Module)
         ):
-            _refuse(
-                f"{owner}(bias_activation_fusion=True)",
-                spec,
-                "megatron-core 0.19.2's TEGroupedMLP calls the fused SwiGLU without the clamp",
-                "Set bias_activation_fusion=False (its unfused activation computes the clamp "
-                "exactly), or use SequentialMLP.",
-            )
+            path = f"{owner}(bias_activation_fusion=True)"
+            if not (spec.gated and spec.kind in (ActivationKind.SILU, ActivationKind.QUICK_GELU)):
+                _refuse(
+                    path,
+                    spec,
+                    "upstream's TEGroupedMLP fuses only SwiGLU and quick-GEGLU (it raises at the "
+                    "first forward otherwise)",
+                    "Set bias_activation_fusion=False: its unfused activation computes it.",
+                )
+            if (
+                key == "0.19.2"
+                and spec.kind == ActivationKind.SILU
+                and spec.clamp_value is not None
+            ):
+                _refuse(
+                    path,
+                    spec,
+                    "megatron-core 0.19.2's TEGroupedMLP calls the fused SwiGLU without the clamp",
+                    "Set bias_activation_fusion=False (its unfused activation computes the clamp "
+                    "exactly), or use SequentialMLP.",
+                )
 
     return after
 

@@ -64,5 +64,11 @@ for path in sorted(out.glob(f"e2e-{target}-*.json")):
     losses = " ".join(f"{x:.6f}" for x in r.get("losses") or [])
     print(f"{path.stem:40s} losses {losses or r.get('build_error')}  worst act err {worst}")
 PY
+  for log in "$OUT"/e2e-"$target"-*.log; do
+    [ -f "${log%.log}.json" ] || { echo "== $log (no result)"; tail -n 15 "$log"; status=1; }
+  done
 done
+# One archive of the logs: the device tool returns a limited number of files.
+tar -czf "$OUT/upstream-gpu-logs.tgz" -C "$OUT" $(cd "$OUT" && ls e2e-* audit-*.txt setup.log)
+rm -f "$OUT"/e2e-*.log
 exit "$status"
