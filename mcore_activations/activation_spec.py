@@ -39,12 +39,23 @@ class UnsupportedActivationError(ValueError):
     path, the activation, the reason and what to configure instead.
     """
 
-    def __init__(self, path: str, spec: ActivationSpec, reason: str, alternative: str):
+    def __init__(
+        self,
+        path: str,
+        spec: Optional[ActivationSpec] = None,
+        reason: Optional[str] = None,
+        alternative: Optional[str] = None,
+    ):
         self.path = path
         self.spec = spec
         self.reason = reason
         self.alternative = alternative
-        super().__init__(f"{path} cannot compute {spec.name}: {reason}. {alternative}")
+        if spec is None:
+            # A whole message: how callers that re-raise with added context (upstream's
+            # build_module does ``type(e)(f"{e} when instantiating ...")``) construct it.
+            super().__init__(path)
+        else:
+            super().__init__(f"{path} cannot compute {spec.name}: {reason}. {alternative}")
 
 
 class ActivationKind(str, enum.Enum):

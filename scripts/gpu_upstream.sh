@@ -68,7 +68,7 @@ PY
     [ -f "${log%.log}.json" ] || { echo "== $log (no result)"; tail -n 15 "$log"; status=1; }
   done
 done
-# One archive of the logs: the device tool returns a limited number of files.
-tar -czf "$OUT/upstream-gpu-logs.tgz" -C "$OUT" $(cd "$OUT" && ls e2e-* audit-*.txt setup.log)
-rm -f "$OUT"/e2e-*.log
+# One archive of the runs: the device tool returns a limited number of files.
+tar -czf "$OUT/upstream-gpu-runs.tgz" -C "$OUT" $(cd "$OUT" && ls e2e-* setup.log)
+rm -f "$OUT"/e2e-* "$OUT/setup.log"
 exit "$status"

@@ -443,7 +443,7 @@ class ActivationProbe:
         )
 
         def fc1_hook(_mod, _args, output):
-            if self.active and not self._busy:
+            if self.active and not self._busy and output is not None:
                 out, bias = output if isinstance(output, tuple) else (output, None)
                 rec.fc1_out.append(out.detach().clone())
                 rec.fc1_bias.append(None if bias is None else bias.detach().clone())
@@ -464,8 +464,11 @@ class ActivationProbe:
                 probs = args[probs_index] if ok else None
             rec.probs.append(None if probs is None else probs.detach().clone())
 
-        self.handles.append(module.linear_fc1.register_forward_hook(fc1_hook))
-        self.handles.append(module.linear_fc2.register_forward_pre_hook(fc2_pre_hook))
+        if not opaque:
+            # A fused op sequence never calls its linears; upstream replays hooks registered on
+            # them with placeholder arguments instead, so they are not registered there.
+            self.handles.append(module.linear_fc1.register_forward_hook(fc1_hook))
+            self.handles.append(module.linear_fc2.register_forward_pre_hook(fc2_pre_hook))
         self.handles.append(module.register_forward_pre_hook(module_pre_hook, with_kwargs=True))
         if opaque:
             self.handles.append(
@@ -479,8 +482,10 @@ class ActivationProbe:
         from mcore_activations.activation_spec import ActivationSpec
 
         def hook(_mod, args, kwargs, output):
-            if not self.active or self._busy:
+            if not self.active or self._busy or output is None:
                 return
+            if not args and "hidden_states" not in (kwargs or {}):
+                return  # a replay with placeholder arguments, not a real call
             x = args[0] if args else kwargs["hidden_states"]
             extra = []
             if rec.cls == "TEGroupedMLP":
