@@ -9,7 +9,8 @@ included). ``--before-after`` prints the table for upstream as installed, then a
 on the compiled entry points. A cell is ``match``, ``MISMATCH`` (a silent wrong result),
 ``refused`` (the layer raised :class:`UnsupportedActivationError` at construction, naming why and
 what to configure instead), ``config rejected by upstream`` (upstream's own config rules),
-``error`` (an exception at run time) or ``n/a``.
+``n/a on this GPU`` (a hardware limit, e.g. MXFP8 on a GPU before SM100), ``error`` (an exception
+at run time) or ``n/a``.
 
 Exit status: 0 when the last table has no ``MISMATCH`` and no ``error``, else 1.
 """
@@ -35,6 +36,8 @@ from mcore_activations.activation_spec import (
 )
 
 MATCH_RTOL = 1e-5  # norm-relative error of fp32 GEMMs and fp32 activation math vs float64
+# Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
+_HARDWARE_LIMITS = ("compute capability", "requires SM100", "not supported on this device")
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,10 @@ def audit_cell(build: Callable, fields: dict, device: str) -> str:
         grad_out = torch.randn(out.shape, generator=gen).to(device)
         out.backward(grad_out)
     except Exception as err:  # noqa: BLE001
-        return f"error ({type(err).__name__}: {str(err).splitlines()[0][:90]})"
+        message = str(err).splitlines()[0] if str(err) else ""
+        if any(marker in message for marker in _HARDWARE_LIMITS):
+            return f"n/a on this GPU ({message[:90]})"
+        return f"error ({type(err).__name__}: {message[:90]})"
     x64 = x.detach().double().requires_grad_(True)
     ref = reference(x64)
     ref.backward(grad_out.double())
