@@ -74,6 +74,8 @@ METHOD_TARGETS = (
     f"{_EXPERTS}:TEGroupedMLP._make_fused_ops",
     f"{_EXPERTS}:TEGroupedMLP.forward",
     f"{_EXPERTS}:SequentialMLP.forward",
+    f"{_EXPERTS}:InferenceGroupedMLP._resolve_flashinfer_activation_type",
+    f"{_EXPERTS}:InferenceGroupedMLP._resolve_mcore_activation_type",
     f"{_TE}:TEActivationOp.__new__",
     f"{_TE}:TEFusedMLP._make_activation_op",
     f"{_TE}:TEFusedMLP._make_fused_impl",
@@ -376,6 +378,14 @@ def _check_grouped_mlp(key: str):
         spec = _layer_spec(layer, k)
         layer.activation_spec = spec
         owner = type(layer).__name__
+        if owner == "InferenceGroupedMLP" and not spec.is_plain:
+            _refuse(
+                owner,
+                spec,
+                "upstream's inference MoE kernels (FlashInfer and megatron's own) take no clamp or "
+                "offset",
+                "Serve this model with TEGroupedMLP or SequentialMLP experts.",
+            )
         if getattr(layer, "_with_fused_impl", False):
             _check_grouped_ops_choice(key, spec, f"{owner}(use_transformer_engine_op_fuser=True)")
         elif (
