@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[3]
 ARCHIVES = sorted((REPO.parent / "shared" / "upstream").glob("megatron-lm-main-*.tar.gz"))
 
 SOURCE = textwrap.dedent(
-    '''
+    """
     import torch
 
     def plain(x):
@@ -40,7 +40,7 @@ SOURCE = textwrap.dedent(
         pass
 
     alias = plain
-    '''
+    """
 )
 
 
