@@ -75,6 +75,24 @@ def select_activation_path(
     return UNFUSED_PATH
 
 
+def per_token_probs(per_token_scale: Optional[torch.Tensor], x: torch.Tensor):
+    """``per_token_scale`` (one weight per row of ``x``) as ``[..., 1]`` probabilities, or None.
+
+    Raises:
+        ValueError: the scale is not shaped like ``x.shape[:-1]``; a ``[s, 1]`` or 0-d scale
+            would broadcast on the unfused path and be refused by the fused kernels.
+    """
+    if per_token_scale is None:
+        return None
+    if tuple(per_token_scale.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"per_token_scale of shape {tuple(per_token_scale.shape)} does not match the "
+            f"{tuple(x.shape[:-1])} tokens of the MLP input: pass one weight per token, shaped "
+            "like hidden_states without its last dimension."
+        )
+    return per_token_scale.unsqueeze(-1)
+
+
 def activate(
     x: torch.Tensor,
     bias: Optional[torch.Tensor],

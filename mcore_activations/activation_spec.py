@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,27 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the kernels receive it (inf beyond float32's range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def is_positive_finite_float32(value: float) -> bool:
+    """Whether ``value`` is a usable clamp or tanh scale once rounded to float32.
+
+    A value finite in float64 can be inf in float32 (1e39: every output NaN) or round to zero or
+    a subnormal (1e-46: 0/0 for a zero pre-activation).
+    """
+    rounded = as_float32(value)
+    return math.isfinite(rounded) and rounded >= FLOAT32_TINY
 
 
 class UnsupportedActivationError(ValueError):
@@ -181,10 +203,19 @@ class ActivationSpec:
                         f"ActivationSpec.{name} must be finite and greater than zero, "
                         f"got {value!r}."
                     )
+                if not is_positive_finite_float32(value):
+                    raise ValueError(
+                        f"ActivationSpec.{name}={value!r} is {as_float32(value)!r} in float32, "
+                        "the precision the kernels compute in; use a value between "
+                        f"{FLOAT32_TINY:g} and {FLOAT32_MAX:g}."
+                    )
                 object.__setattr__(self, name, value)
         offset = float(self.linear_offset)
-        if not math.isfinite(offset):
-            raise ValueError(f"ActivationSpec.linear_offset must be finite, got {offset!r}.")
+        if not math.isfinite(as_float32(offset)):
+            raise ValueError(
+                f"ActivationSpec.linear_offset must be finite in float32 (the kernels' "
+                f"precision), got {offset!r}."
+            )
         object.__setattr__(self, "linear_offset", offset)
         if not self.gated:
             for name in ("clamp_value", "linear_tanh_scale", "glu_interleave_size"):

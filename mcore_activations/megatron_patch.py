@@ -299,7 +299,7 @@ def _offload_flag(config) -> bool:
 def _mlp_activate(layer, x, bias, per_token_scale):
     if not hasattr(layer, "activation_path"):
         _attach_mlp_activation(layer)  # a layer built before the patch: decide now
-    probs = per_token_scale.unsqueeze(-1) if per_token_scale is not None else None
+    probs = paths.per_token_probs(per_token_scale, x)
     return paths.activate(
         x,
         bias,

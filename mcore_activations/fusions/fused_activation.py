@@ -60,14 +60,53 @@ def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *,
     return dx.view(x.shape), dbias, dprobs
 
 
+# The kernels compute in float32 and store in the input dtype; integer, boolean, complex and fp8
+# inputs would come back truncated, real-only or not at all.
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
+    """Refuses inputs for which the kernels would compute something other than ``spec``.
+
+    Raises:
+        TypeError: a tensor that is not float32, bfloat16, float16 or float64.
+        ValueError: a last dimension that is 0, odd for a GLU or not a multiple of twice the
+            GLU interleave block; a bias that is not ``[width]``; probabilities that are not
+            ``x.shape[:-1]`` or ``x.shape[:-1] + (1,)``.
+    """
+    for name, tensor in (("input", x), ("bias", bias), ("probs", probs)):
+        if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
+            raise TypeError(
+                f"fused activation {name} must be float32, bfloat16, float16 or float64, got "
+                f"{tensor.dtype}; convert it first (e.g. {name}.float())."
+            )
+    width = x.shape[-1] if x.dim() else 0
+    if width == 0:
+        raise ValueError(f"the activation input's last dimension is 0 (shape {tuple(x.shape)}).")
+    k = spec.glu_interleave_size
+    if spec.gated and width % 2:
+        raise ValueError(
+            f"a gated activation ({spec.name}) reads [gate, linear] halves, so the last "
+            f"dimension must be even: got {width} (shape {tuple(x.shape)})."
+        )
+    if spec.gated and k is not None and width % (2 * k):
+        raise ValueError(
+            f"with glu_interleave_size={k} the last dimension must be a multiple of {2 * k}: "
+            f"got {width}."
+        )
+    if bias is not None and tuple(bias.shape) != (width,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match input width {width}.")
+    if probs is not None and tuple(probs.shape) not in (tuple(x.shape[:-1]), (*x.shape[:-1], 1)):
+        rows = tuple(x.shape[:-1])
+        raise ValueError(
+            f"probs of shape {tuple(probs.shape)} do not match the activation input "
+            f"{tuple(x.shape)}: expected {rows} or {(*rows, 1)}, one probability per row."
+        )
+
+
 def _flatten(x, probs):
     x2d = x.reshape(-1, x.shape[-1])
     probs2d = probs.reshape(-1, 1) if probs is not None else None
-    if probs2d is not None and probs2d.shape[0] != x2d.shape[0]:
-        raise ValueError(
-            f"probs with {probs2d.shape[0]} rows do not match the {x2d.shape[0]} rows of the "
-            "activation input."
-        )
     return x2d, probs2d
 
 
@@ -78,6 +117,7 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     which is lossy: the backward then differentiates at the rounded input) plus bias and
     probabilities; the backward kernel recomputes the forward.
     """
+    check_inputs(spec, x, bias, probs)
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     params = params_tensor(spec_params(spec), x.device)
     # The kernels work on rows; any leading shape is flattened here and restored on the way out.
@@ -174,8 +214,5 @@ def fused_activation(
         ``[..., F]`` in ``x.dtype``.
     """
     lower_to_fused_kernel(spec, "fused_activation")
-    width = x.shape[-1]
-    if bias is not None and tuple(bias.shape) != (width,):
-        raise ValueError(f"bias of shape {tuple(bias.shape)} does not match input width {width}.")
-    _flatten(x, probs)  # validates the row counts before autograd records anything
+    check_inputs(spec, x, bias, probs)  # before autograd records anything
     return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)

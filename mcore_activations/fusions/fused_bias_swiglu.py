@@ -17,6 +17,7 @@ twins.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -50,6 +51,10 @@ def swiglu_spec(
         ValueError: for a clamp combined with tanh scales, a linear scale without a gate scale,
             or a non-finite / non-positive scale.
     """
+    if clamp_value is not None and math.isnan(clamp_value):
+        raise ValueError(
+            "clamp_value=nan is not a clamp; pass None (or, as upstream, a value <= 0) for none."
+        )
     clamp = clamp_value if clamp_value is not None and clamp_value > 0 else None
     if clamp is not None and gate_clamp_scale is not None:
         raise ValueError(

@@ -22,6 +22,7 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
     TE_MODULE_PATH,
     UNFUSED_PATH,
     activate,
+    per_token_probs,
     select_activation_path,
 )
 from mcore_activations.activation_spec import ActivationSpec
@@ -205,7 +206,7 @@ class MLP(MegatronModule):
 
         The result is in ``x.dtype``; ``per_token_scale`` multiplies each row.
         """
-        probs = per_token_scale.unsqueeze(-1) if per_token_scale is not None else None
+        probs = per_token_probs(per_token_scale, x)
         return activate(
             x,
             bias,

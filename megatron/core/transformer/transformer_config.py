@@ -11,6 +11,12 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from mcore_activations.activation_spec import (
+    FLOAT32_MAX,
+    FLOAT32_TINY,
+    as_float32,
+    is_positive_finite_float32,
+)
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -34,6 +40,16 @@ def _is_positive_finite(value) -> bool:
     except (TypeError, ValueError):
         return False
     return math.isfinite(value) and value > 0.0
+
+
+def _require_float32_scale(name: str, value) -> None:
+    """Refuses a clamp or scale finite in float64 but inf or ~0 in float32 (the kernels')."""
+    if not is_positive_finite_float32(float(value)):
+        raise ValueError(
+            f"{name}={value!r} is {as_float32(float(value))!r} in float32, the precision the "
+            f"activation kernels compute in; use a value between {FLOAT32_TINY:g} and "
+            f"{FLOAT32_MAX:g}."
+        )
 
 
 @dataclass
@@ -357,8 +373,11 @@ class TransformerConfig(ModelParallelConfig):
         if self.activation_func_fp8_input_store and (act != F.silu or not gated):
             raise ValueError("Storing activation input in FP8 is supported only for SwiGLU.")
 
-        if not math.isfinite(float(self.glu_linear_offset)):
-            raise ValueError(f"glu_linear_offset must be finite, got {self.glu_linear_offset!r}.")
+        if not math.isfinite(as_float32(float(self.glu_linear_offset))):
+            raise ValueError(
+                f"glu_linear_offset must be finite (in float32, the kernels' precision), got "
+                f"{self.glu_linear_offset!r}."
+            )
         if self.glu_linear_offset != 0.0 and not gated:
             raise ValueError(
                 f"glu_linear_offset={self.glu_linear_offset!r} only applies to gated linear "
@@ -379,6 +398,7 @@ class TransformerConfig(ModelParallelConfig):
                     "activation_func_clamp_value for SwiGLU must be finite and greater than zero."
                     f" Got {clamp!r}."
                 )
+            _require_float32_scale("activation_func_clamp_value", clamp)
             if self.num_moe_experts is None:
                 raise ValueError(
                     "activation_func_clamp_value for SwiGLU is only supported with MoE. "
@@ -405,6 +425,7 @@ class TransformerConfig(ModelParallelConfig):
             raise ValueError(
                 f"activation_func_clamp_value must be finite and greater than zero, got {clamp!r}."
             )
+        _require_float32_scale("activation_func_clamp_value", clamp)
         if self.use_te_activation_func:
             raise ValueError(
                 "use_te_activation_func must be False when activation_func_clamp_value is set: "
@@ -420,6 +441,8 @@ class TransformerConfig(ModelParallelConfig):
         ):
             if value is not None and not _is_positive_finite(value):
                 raise ValueError(f"{name} must be finite and greater than zero, got {value!r}.")
+            if value is not None:
+                _require_float32_scale(name, value)
         if s_l is not None and s_g is None:
             raise ValueError(
                 f"activation_func_tanh_clamp_scale_linear={s_l!r} requires "

@@ -223,7 +223,7 @@ def test_custom_activation_is_refused_by_the_fused_kernels():
 
 def test_shape_errors_are_clear():
     spec = SPECS["swiglu"]
-    with pytest.raises(ValueError, match="probs with 3 rows"):
+    with pytest.raises(ValueError, match=r"probs of shape \(3, 1\) do not match"):
         fused_activation(torch.randn(2, 4), spec, probs=torch.ones(3, 1))
     with pytest.raises(ValueError, match="bias of shape"):
         fused_activation(torch.randn(2, 4), spec, bias=torch.ones(3))

@@ -460,3 +460,14 @@ def test_no_activation_decision_reads_the_callable_at_forward(pg):
         warnings.simplefilter("error")
         after = mlp(x)[0]
     torch.testing.assert_close(before, after, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", [UNFUSED, FUSED])
+@pytest.mark.parametrize("scale_shape", [(SEQ, BATCH, 1), (), (SEQ,)])
+def test_per_token_scale_of_another_shape_is_refused_on_every_path(pg, path, scale_shape):
+    # Unfused once broadcast a [s, b, 1] or 0-d scale and fused refused it: both refuse now.
+    config = make_config("swiglu", torch.float32, path)
+    mlp = build_mlp(config, pg)
+    x = torch.randn(SEQ, BATCH, config.hidden_size)
+    with pytest.raises(ValueError, match="per_token_scale of shape .* does not match"):
+        mlp(x, per_token_scale=torch.rand(scale_shape))

@@ -84,6 +84,33 @@ def _split_sizes(tokens_per_expert: Union[torch.Tensor, Sequence[int]]) -> list[
     return [int(n) for n in tokens_per_expert]
 
 
+def _routed_split(owner: str, num_experts: int, hidden, tokens_per_expert, probs) -> list[int]:
+    """Token counts per local expert, after checking that they and ``probs`` fit ``hidden``.
+
+    A count list of the wrong length would silently drop tokens, and ``[tokens, 1]``
+    probabilities would broadcast against the expert outputs.
+    """
+    split_sizes = _split_sizes(tokens_per_expert)
+    tokens = hidden.shape[0]
+    if len(split_sizes) != num_experts:
+        raise ValueError(
+            f"{owner} has {num_experts} local experts but tokens_per_expert has "
+            f"{len(split_sizes)} entries ({split_sizes}); pass one count per local expert."
+        )
+    if sum(split_sizes) != tokens:
+        raise ValueError(
+            f"{owner}: tokens_per_expert sums to {sum(split_sizes)} but the input has {tokens} "
+            "tokens."
+        )
+    if probs is None or tuple(probs.shape) != (tokens,):
+        shape = None if probs is None else tuple(probs.shape)
+        raise ValueError(
+            f"{owner}: permuted_probs must hold one probability per token, shape ({tokens},); "
+            f"got {shape}."
+        )
+    return split_sizes
+
+
 def _apply_probs_on_input(config, hidden_states, probs):
     """Moves the router weight from the output to the input (``moe_apply_probs_on_input``).
 
@@ -209,10 +236,12 @@ class SequentialMLP(MegatronModule):
             probability (bias included).
         """
         hidden_states, probs = permuted_local_hidden_states, permuted_probs
+        split_sizes = _routed_split(
+            type(self).__name__, self.num_local_experts, hidden_states, tokens_per_expert, probs
+        )
         if self.config.moe_apply_probs_on_input:
             hidden_states, probs = _apply_probs_on_input(self.config, hidden_states, probs)
 
-        split_sizes = _split_sizes(tokens_per_expert)
         alignment = _quantization_alignment(self.config)
         outputs = []
         for expert, tokens, token_probs in zip(
@@ -378,12 +407,14 @@ class TEGroupedMLP(MegatronModule):
         """
         del output_buffer, grad_input_buffer
         hidden_states, probs = permuted_local_hidden_states, permuted_probs
+        split_sizes = _routed_split(
+            type(self).__name__, self.num_local_experts, hidden_states, tokens_per_expert, probs
+        )
         if self.use_fused_impl:
             return self._fused_forward(hidden_states, tokens_per_expert, probs), None
 
         if self.config.moe_apply_probs_on_input:
             hidden_states, probs = _apply_probs_on_input(self.config, hidden_states, probs)
-        split_sizes = _split_sizes(tokens_per_expert)
         probs = probs.unsqueeze(-1)
 
         intermediate, fc1_bias = self.linear_fc1(hidden_states, split_sizes)

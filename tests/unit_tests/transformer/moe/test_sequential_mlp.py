@@ -239,3 +239,21 @@ def test_backward_dw_visits_every_expert(pg):
         expert.backward_dw = lambda index=index: visited.append(index)
     experts.backward_dw()
     assert visited == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path", [UNFUSED, FUSED])
+@pytest.mark.parametrize(
+    "tokens_per_expert, probs_shape, match",
+    [
+        ([5, 9], (14,), "has 3 local experts but tokens_per_expert has 2 entries"),
+        ([5, 0, 9, 0], (14,), "has 4 entries"),
+        ([5, 0, 8], (14,), "sums to 13 but the input has 14 tokens"),
+        (TOKENS_PER_EXPERT, (14, 1), r"one probability per token, shape \(14,\); got \(14, 1\)"),
+    ],
+)
+def test_routing_inputs_that_would_drop_or_broadcast_are_refused(
+    pg, path, tokens_per_expert, probs_shape, match
+):
+    experts = build("swiglu", torch.float32, path, pg)
+    with pytest.raises(ValueError, match=match):
+        experts(torch.randn(14, HIDDEN), tokens_per_expert, torch.rand(probs_shape))
