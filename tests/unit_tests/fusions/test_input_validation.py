@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_geglu import weighted_bias_quick_geglu_impl
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 from megatron.core.transformer.activation_spec import ActivationKind, ActivationSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
