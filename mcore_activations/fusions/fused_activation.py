@@ -9,6 +9,7 @@ fused paths all come here, so they share one implementation per activation.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -72,7 +73,7 @@ def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
         TypeError: a tensor that is not float32, bfloat16, float16 or float64.
         ValueError: a last dimension that is 0, odd for a GLU or not a multiple of twice the
             GLU interleave block; a bias that is not ``[width]``; probabilities that are not
-            ``x.shape[:-1]`` or ``x.shape[:-1] + (1,)``.
+            one per row (``x.shape[:-1]``, optionally with a trailing 1, or flattened).
     """
     for name, tensor in (("input", x), ("bias", bias), ("probs", probs)):
         if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
@@ -96,12 +97,18 @@ def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
         )
     if bias is not None and tuple(bias.shape) != (width,):
         raise ValueError(f"bias of shape {tuple(bias.shape)} does not match input width {width}.")
-    if probs is not None and tuple(probs.shape) not in (tuple(x.shape[:-1]), (*x.shape[:-1], 1)):
+    if probs is not None:
         rows = tuple(x.shape[:-1])
-        raise ValueError(
-            f"probs of shape {tuple(probs.shape)} do not match the activation input "
-            f"{tuple(x.shape)}: expected {rows} or {(*rows, 1)}, one probability per row."
-        )
+        n = math.prod(rows)
+        # One probability per row: shaped like the rows, or like the flattened rows (upstream's
+        # weighted entry points take [s*b, 1] weights for an [s, b, 2F] input).
+        allowed = {rows, (*rows, 1), (n,), (n, 1)}
+        if tuple(probs.shape) not in allowed:
+            raise ValueError(
+                f"probs of shape {tuple(probs.shape)} do not match the activation input "
+                f"{tuple(x.shape)}: expected {rows}, {(*rows, 1)} or {(n, 1)}, one probability "
+                "per row."
+            )
 
 
 def _flatten(x, probs):

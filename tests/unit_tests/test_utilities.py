@@ -8,8 +8,8 @@
   port, so parallel pytest workers cannot collide);
 - a plain ``pytest`` on a GPU machine: the same one-process world on NCCL.
 
-``run_distributed`` spawns a small gloo world from inside a test, for CPU tests of tensor
-parallelism.
+``run_distributed`` starts a small world from inside a test and returns rank 0's result: gloo
+processes on the CPU, or one NCCL process per GPU (see its docstring).
 """
 
 from __future__ import annotations
@@ -19,11 +19,18 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 import megatron.core.parallel_state as ps
+from megatron.core import jit
+
+# As conftest.py does for the pytest process, and for the same reason (no Inductor compile of
+# every activation on a 2-core CI machine): ranks spawned by run_distributed import this module
+# before the worker's module, so the decorator is a no-op for everything they import later.
+if os.environ.get("MEGATRON_TEST_JIT", "0") != "1":
+    jit.disable_jit_fuser()
 
 _NVTE_ATTENTION_ENV_VARS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
@@ -205,35 +212,84 @@ class Utils:
 
 # ----------------------------------------------------------------------- multi-process runs
 
+_RESULT_FILE = "rank0_result.pt"
 
-def _distributed_entry(rank: int, worker: Callable, world_size: int, init_file: str, args):
+
+def _distributed_entry(rank: int, worker: Callable, world_size: int, backend: str, tmp: str, args):
     # One intra-op thread per process: the ranks share the machine's cores.
     torch.set_num_threads(1)
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        backend,
+        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+        rank=rank,
+        world_size=world_size,
     )
     try:
-        worker(rank, world_size, *args)
+        result = worker(rank, world_size, *args)
+        if rank == 0:
+            # torch.save pickles: any picklable result comes back, tensors moved to the CPU.
+            torch.save(to_cpu(result), os.path.join(tmp, _RESULT_FILE))
     finally:
         ps.destroy_model_parallel()
         torch.distributed.destroy_process_group()
 
 
+def to_cpu(value):
+    """``value`` with every tensor in it (also in dicts, lists, tuples) detached onto the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: to_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_cpu(item) for item in value)
+    return value
+
+
+def _launched_world_size() -> Optional[int]:
+    """The world size of a ``torchrun`` launch around this process, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["WORLD_SIZE"])
+
+
 def run_distributed(
-    worker: Callable, world_size: int = 2, args: Sequence = (), timeout_s: float = 120.0
-) -> None:
-    """Runs ``worker(rank, world_size, *args)`` in ``world_size`` fresh processes on gloo.
+    worker: Callable,
+    world_size: int = 2,
+    args: Sequence = (),
+    timeout_s: float = 120.0,
+    backend: str = "gloo",
+) -> Any:
+    """Runs ``worker(rank, world_size, *args)`` on ``world_size`` ranks; returns rank 0's result.
+
+    ``backend="gloo"`` spawns ``world_size`` fresh CPU processes. ``backend="nccl"`` spawns one
+    process per GPU (rank i on ``cuda:i``); under a ``torchrun`` launch of exactly
+    ``world_size`` ranks it instead runs ``worker`` in this process, on the launched world, and
+    returns this rank's result. ``NCCL_NVLS_ENABLE=0`` is always set (NVLink SHARP multicast is
+    unavailable or unsafe on the test machines).
 
     The default process group is up when ``worker`` starts; ``parallel_state`` is not. The
-    worker must be a module-level function (it is pickled into spawned processes). An exception
-    in any rank fails the caller with that rank's traceback; a run longer than ``timeout_s``
+    worker must be a module-level function (it is pickled into spawned processes), and its
+    result must be picklable (``torch.save``; tensors come back on the CPU). An exception in
+    any rank fails the caller with that rank's traceback; a run longer than ``timeout_s``
     kills every rank and raises ``TimeoutError``, so a hung collective fails instead of
     blocking CI.
     """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # inherited by the spawned ranks
+    if backend == "nccl":
+        if _launched_world_size() == world_size:
+            return _run_in_launched_world(worker, world_size, args)
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if available < world_size:
+            raise RuntimeError(f"backend='nccl' needs {world_size} GPUs, found {available}")
     with tempfile.TemporaryDirectory() as tmp:
         context = torch.multiprocessing.start_processes(
             _distributed_entry,
-            args=(worker, world_size, os.path.join(tmp, "rendezvous"), tuple(args)),
+            args=(worker, world_size, backend, tmp, tuple(args)),
             nprocs=world_size,
             join=False,
             start_method="spawn",
@@ -251,3 +307,19 @@ def run_distributed(
                 if process.is_alive():
                     process.kill()
                     process.join()
+        result_file = os.path.join(tmp, _RESULT_FILE)
+        if not os.path.exists(result_file):
+            return None
+        return torch.load(result_file, weights_only=False)
+
+
+def _run_in_launched_world(worker: Callable, world_size: int, args: Sequence) -> Any:
+    # Under torchrun every rank runs the same test; they meet in the launched default group.
+    Utils.set_world_size(world_size)
+    Utils.initialize_distributed()
+    ps.destroy_model_parallel()
+    try:
+        return worker(torch.distributed.get_rank(), world_size, *args)
+    finally:
+        ps.destroy_model_parallel()
+        _barrier()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +53,51 @@ def _require_float32_scale(name: str, value) -> None:
             f"activation kernels compute in; use a value between {FLOAT32_TINY:g} and "
             f"{FLOAT32_MAX:g}."
         )
+
+
+_SIMPLE_TYPES = (bool, int, float, str)
+
+
+def _simple_annotation(annotation) -> Optional[tuple[type, bool]]:
+    """``(type, optional)`` for ``T`` or ``Optional[T]`` with T bool/int/float/str, else None."""
+    args = typing.get_args(annotation)
+    if annotation in _SIMPLE_TYPES:
+        return annotation, False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 2:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and inner[0] in _SIMPLE_TYPES:
+            return inner[0], True
+    return None
+
+
+def _check_field_types(config) -> None:
+    """Refuses a value whose type contradicts its field's annotation (bool, int, float, str).
+
+    ``gated_linear_unit='False'`` would otherwise mean gated, a clamp ``'7'`` fail deep inside a
+    kernel, and ``moe_mlp_glu_interleave_size='abc'`` only at the first forward. An int is
+    accepted for a float field; a bool is not accepted for an int or float field.
+    """
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        simple = _simple_annotation(hints.get(field.name))
+        if simple is None:
+            continue
+        expected, optional = simple
+        value = getattr(config, field.name)
+        if value is None and (optional or field.default is None):
+            continue
+        if expected is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        elif expected is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, expected)
+        if not ok:
+            wanted = expected.__name__ + (" or None" if optional else "")
+            raise TypeError(
+                f"TransformerConfig.{field.name} must be {wanted}, got {value!r} "
+                f"({type(value).__name__})."
+            )
 
 
 @dataclass
@@ -226,6 +274,7 @@ class TransformerConfig(ModelParallelConfig):
     MLP; the only choice on GPUs older than SM100). None: env ``FP4_RECIPE``, else "mxfp8"."""
 
     def __post_init__(self):
+        _check_field_types(self)
         super().__post_init__()
 
         if self.num_attention_heads and self.num_attention_heads % self.tensor_model_parallel_size:
@@ -334,6 +383,11 @@ class TransformerConfig(ModelParallelConfig):
 
         act = self.activation_func
         gated = self.gated_linear_unit
+        if not callable(act):
+            raise ValueError(
+                f"activation_func must be a callable such as torch.nn.functional.silu, got "
+                f"{act!r} ({type(act).__name__})."
+            )
 
         if self.bias_activation_fusion:
             if act not in (F.gelu, F.silu, quick_gelu):

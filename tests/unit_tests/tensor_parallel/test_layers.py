@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import (
     initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
-from tests.unit_tests.test_utilities import Utils, run_distributed
+from tests.unit_tests.test_utilities import run_distributed
 
 HIDDEN, FFN, SEQ, BATCH = 6, 8, 4, 3
 TOL = {"rtol": 1e-10, "atol": 1e-12}
@@ -359,34 +359,36 @@ def test_gpu_init_needs_the_model_parallel_rng_stream(monkeypatch):
     torch.testing.assert_close(layer.weight, expected, rtol=0, atol=0)
 
 
-@pytest.mark.multigpu
-def test_tensor_parallel_pair_on_two_gpus():
-    """Under ``torchrun --nproc-per-node 2``: the TP=2 pair on NCCL equals one device."""
-    if Utils.world_size != 2:
-        pytest.skip("launch with torchrun --nproc-per-node 2")
-    Utils.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
-        rank = torch.distributed.get_rank()
-        tp_group = ps.get_tensor_model_parallel_group()
-        solo_group = [torch.distributed.new_group([r]) for r in range(2)][rank]
-        for sequence_parallel in (False, True):
-            _check_variant(
-                rank,
-                tp_group,
-                solo_group,
-                sequence_parallel=sequence_parallel,
-                skip_bias_add=sequence_parallel,
-                gather_output=False,
-                device="cuda",
-            )
+def _two_gpu_worker(rank, world_size):
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tp_group = ps.get_tensor_model_parallel_group()
+    solo_group = [torch.distributed.new_group([r]) for r in range(world_size)][rank]
+    for sequence_parallel in (False, True):
         _check_variant(
             rank,
             tp_group,
             solo_group,
-            sequence_parallel=False,
-            skip_bias_add=False,
-            gather_output=True,
+            sequence_parallel=sequence_parallel,
+            skip_bias_add=sequence_parallel,
+            gather_output=False,
             device="cuda",
         )
-    finally:
-        Utils.destroy_model_parallel()
+    _check_variant(
+        rank,
+        tp_group,
+        solo_group,
+        sequence_parallel=False,
+        skip_bias_add=False,
+        gather_output=True,
+        device="cuda",
+    )
+
+
+@pytest.mark.multigpu
+def test_tensor_parallel_pair_on_two_gpus():
+    """The TP=2 pair on NCCL equals one device.
+
+    Under plain pytest it spawns one rank per GPU; under ``torchrun --nproc-per-node 2`` it runs
+    on the launched ranks.
+    """
+    run_distributed(_two_gpu_worker, world_size=2, timeout_s=300, backend="nccl")
