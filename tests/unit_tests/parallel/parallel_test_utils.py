@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
-from tests.unit_tests.test_utilities import to_cpu
+from tests.unit_tests.test_utilities import run_distributed, to_cpu
 from tests.unit_tests.tolerances import assert_close_to_reference, max_rel_error
 from tests.unit_tests.transformer.mlp_test_utils import PRE_ACTIVATION_STD, assert_clamps_active
 
@@ -292,3 +292,20 @@ def report_all(results: Optional[dict], case_ids: list) -> None:
         )
     if len(skipped) == len(case_ids):
         pytest.skip(f"every case skipped: {results[case_ids[0]]['skip']}")
+
+
+def run_cases(worker: Callable, world_size: int, cases: list, case_ids: list, backend: str):
+    """Runs ``worker(rank, world_size, cases, device)`` on a spawned world; reports every case.
+
+    gloo runs on the CPU; nccl on one GPU per rank, with more time (the first fused case of each
+    world compiles its kernels).
+    """
+    device = "cpu" if backend == "gloo" else "cuda"
+    results = run_distributed(
+        worker,
+        world_size=world_size,
+        args=(cases, device),
+        timeout_s=240 if backend == "gloo" else 500,
+        backend=backend,
+    )
+    report_all(results, case_ids)

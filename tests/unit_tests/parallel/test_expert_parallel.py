@@ -49,12 +49,11 @@ from tests.unit_tests.parallel.parallel_test_utils import (
     quiet,
     real_parameters,
     reference_mlp,
-    report_all,
+    run_cases,
     seed_of,
     shard,
     unshard,
 )
-from tests.unit_tests.test_utilities import run_distributed
 from tests.unit_tests.transformer.mlp_test_utils import COMPILED, FUSED, UNFUSED, kernel_mode
 
 WORLD = 2
@@ -284,15 +283,7 @@ def _expert_parallel_worker(rank: int, world_size: int, cases: list, device: str
 
 
 def _run(cases: list, backend: str) -> None:
-    device = "cpu" if backend == "gloo" else "cuda"
-    results = run_distributed(
-        _expert_parallel_worker,
-        world_size=WORLD,
-        args=(cases, device),
-        timeout_s=240 if backend == "gloo" else 500,
-        backend=backend,
-    )
-    report_all(results, [case_id(case) for case in cases])
+    run_cases(_expert_parallel_worker, WORLD, cases, [case_id(case) for case in cases], backend)
 
 
 def test_experts_match_all_experts_gloo():
