@@ -337,6 +337,16 @@ class TEGroupedMLP(MegatronModule):
         self.glu_interleave_size = (
             config.moe_mlp_glu_interleave_size if config.gated_linear_unit else None
         )
+        k = self.glu_interleave_size
+        local_half = ffn_hidden_size // get_pg_size(self.tp_group)
+        if k is not None and local_half % k:
+            # Each rank's fc1 output holds whole [gate block, linear block] pairs; otherwise the
+            # first forward fails deep inside the de-interleave.
+            raise ValueError(
+                f"moe_mlp_glu_interleave_size={k} must divide each expert's GLU half on one rank, "
+                f"moe_ffn_hidden_size / expert_tensor_parallel_size = {ffn_hidden_size} / "
+                f"{get_pg_size(self.tp_group)} = {local_half}; choose a divisor of {local_half}."
+            )
         self.activation_spec = ActivationSpec.from_config(
             config, glu_interleave_size=self.glu_interleave_size
         )

@@ -480,3 +480,8 @@ def test_fused_forward_needs_grouped_tensors(pg, fake_te):
     layer.use_fused_impl = True
     with pytest.raises(RuntimeError, match="moe_use_grouped_tensor=True"):
         layer(torch.randn(14, HIDDEN), TOKENS_PER_EXPERT, torch.rand(14))
+
+
+def test_an_interleave_that_does_not_divide_the_expert_width_is_refused_at_construction(pg):
+    with pytest.raises(ValueError, match="moe_mlp_glu_interleave_size=7 must divide"):
+        build("swiglu", torch.float32, UNFUSED, pg, interleave=7)
