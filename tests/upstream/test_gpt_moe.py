@@ -18,9 +18,9 @@ What is asserted, and why:
 * Without the patch, whether fused and unfused differ is *recorded*, not asserted: it describes
   upstream (0.19.2's fused SwiGLU ignores the clamp; main computes it), detected from the runs
   themselves rather than from a version check.
-* On 0.19.2 only, the patch must have changed something: the fused losses differ from unfused
-  before patching and agree after. Main already computes the fused clamp, so there is nothing to
-  change there and that assertion is skipped with the reason.
+* Before and after: on 0.19.2 the fused losses differ from unfused before patching and agree
+  after; main already computes the fused clamp, so they agree before and after. The patch never
+  moves the unfused losses.
 """
 
 from __future__ import annotations
@@ -218,19 +218,21 @@ def test_unpatched_fused_vs_unfused_is_recorded(unpatched, record_property):
     assert max(unfused_errors) <= ACT_RTOL
 
 
-def _assert_patch_changed_fused(unpatched_pair: dict, patched_pair: dict) -> None:
+def _assert_patch_fixes_fused(unpatched_pair: dict, patched_pair: dict) -> None:
+    """0.19.2: the fused losses move from wrong to right. Main: they are right before and after."""
     version = unpatched_pair["unfused"]["upstream_version"]
-    if not version.startswith("0.19.2"):
-        pytest.skip(
-            f"megatron-core {version}: upstream computes the fused clamp correctly, so "
-            "the patch has nothing to change (asserted only on 0.19.2)"
-        )
     before = _max_loss_rel_diff(unpatched_pair["fused"], unpatched_pair["unfused"])
     after = _max_loss_rel_diff(patched_pair["fused"], patched_pair["unfused"])
-    assert before > CHANGED_RTOL, (
-        f"0.19.2's fused SwiGLU should ignore the clamp, but fused and unfused agree "
-        f"({before:.2e}):\n{_loss_table(unpatched_pair)}"
-    )
+    if version.startswith("0.19.2"):
+        assert before > CHANGED_RTOL, (
+            f"0.19.2's fused SwiGLU should ignore the clamp, but fused and unfused agree "
+            f"({before:.2e}):\n{_loss_table(unpatched_pair)}"
+        )
+    else:
+        # Upstream main computes the fused clamp (#5940): the patch has nothing to fix here.
+        assert before <= LOSS_RTOL, (
+            f"megatron-core {version}: fused != unfused before the patch ({before:.2e})"
+        )
     assert after <= LOSS_RTOL, (
         f"patched fused != unfused ({after:.2e}):\n{_loss_table(patched_pair)}"
     )
@@ -239,8 +241,8 @@ def _assert_patch_changed_fused(unpatched_pair: dict, patched_pair: dict) -> Non
     assert unfused_shift <= LOSS_RTOL, unfused_shift
 
 
-def test_patch_fixes_fused_clamp_on_0_19_2(unpatched, patched):
-    _assert_patch_changed_fused(unpatched, patched)
+def test_patch_fixes_the_fused_clamp(unpatched, patched):
+    _assert_patch_fixes_fused(unpatched, patched)
 
 
 # ----------------------------------------------------------------------------- (c) shared expert
@@ -250,8 +252,8 @@ def test_shared_expert_patched_fused_matches_unfused_and_reference(shared_patche
     _assert_patched_pair(shared_patched, expect_shared=True)
 
 
-def test_shared_expert_patch_fixes_fused_clamp_on_0_19_2(shared_unpatched, shared_patched):
-    _assert_patch_changed_fused(shared_unpatched, shared_patched)
+def test_shared_expert_patch_fixes_the_fused_clamp(shared_unpatched, shared_patched):
+    _assert_patch_fixes_fused(shared_unpatched, shared_patched)
 
 
 # ----------------------------------------------------------------------------- the tool itself
