@@ -30,14 +30,13 @@ from mcore_activations.activation_path import (
     FUSED_KERNEL_PATH,
     TE_MODULE_PATH,
     UNFUSED_PATH,
+    activate,
     select_activation_path,
 )
 from mcore_activations.activation_spec import (
     ActivationKind,
     ActivationSpec,
-    unfused_activation,
 )
-from mcore_activations.fusions.fused_activation import fused_activation
 from mcore_activations.te_import import te_module
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name
@@ -436,23 +435,22 @@ class TEGroupedMLP(MegatronModule):
         self, x: torch.Tensor, bias: Optional[torch.Tensor], probs: torch.Tensor
     ) -> torch.Tensor:
         """The activation of fc1's output, weighted by ``probs`` (``[tokens, 1]``)."""
-        if self.activation_path == FUSED_KERNEL_PATH:
-            return fused_activation(
-                x,
-                self.activation_spec,
-                bias=bias,
-                probs=probs,
-                fp8_input_store=self.config.activation_func_fp8_input_store,
-            )
-        if bias is not None:
-            x = x + bias
-        if self.activation_path == TE_MODULE_PATH:
+        func = self.activation_func
+        k = self.glu_interleave_size
+        if self.activation_path == TE_MODULE_PATH and k is not None:
             # TE's GLU modules read the two-halves layout.
-            if self.glu_interleave_size is not None:
-                x = _remove_glu_interleaving(x, self.glu_interleave_size)
-            out = self.activation_func(x)
-            return (out * probs).to(out.dtype)
-        return unfused_activation(x, self.activation_spec, self.config.activation_func, probs=probs)
+            def func(y, module=self.activation_func):
+                return module(_remove_glu_interleaving(y, k))
+
+        return activate(
+            x,
+            bias,
+            probs,
+            spec=self.activation_spec,
+            path=self.activation_path,
+            activation_func=func,
+            fp8_input_store=self.config.activation_func_fp8_input_store,
+        )
 
     # ------------------------------------------------------------ Transformer Engine ops
     def _is_fused_impl_supported(self) -> bool:
