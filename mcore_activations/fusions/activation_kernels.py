@@ -1,8 +1,10 @@
-"""Elementwise kernels for every activation an ActivationSpec describes (the kernel layer).
+"""The torch reference math of every activation an ActivationSpec describes.
 
 One forward and one backward body cover all kinds; what varies per call site is a
 :class:`KernelVariant` (structure: kind, gated, which clamps exist, bias / probs present, GLU
-layout). Each variant is compiled separately, so structure is always a compile-time constant.
+layout). These bodies are the readable reference the Triton kernels (``triton_kernels``) mirror
+term by term, and they are two backends themselves (``activation_ops``): run eagerly, or compiled
+by ``torch.compile`` per variant, so structure is always a compile-time constant.
 
 Compile safety (design principle 2): every runtime number - clamp ``c``, tanh scales ``s_g`` /
 ``s_l``, linear offset - reaches compiled code inside one float32 tensor ``params`` on the input's
@@ -19,7 +21,6 @@ multiplied, not used to select).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import types
@@ -28,7 +29,6 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from mcore_activations import jit
 from mcore_activations.activation_spec import (
     QUICK_GELU_ALPHA,
     ActivationKind,
@@ -251,20 +251,6 @@ def assemble_backward(v: KernelVariant, dx_parts, dbias, dprobs):
 
 
 # ----------------------------------------------------------------------------- compilation
-_compile_enabled = jit.jit_fuser is torch.compile
-
-
-@contextlib.contextmanager
-def use_compiled_kernels(enabled: bool):
-    """Temporarily runs the kernels compiled (``True``) or eagerly (``False``); for tests."""
-    global _compile_enabled
-    previous, _compile_enabled = _compile_enabled, bool(enabled)
-    try:
-        yield
-    finally:
-        _compile_enabled = previous
-
-
 def _own_code_object(fn: Callable, name: str) -> Callable:
     """``fn`` with a private copy of its code object.
 
@@ -322,45 +308,21 @@ def compile_with_dynamic_rows(fn: Callable) -> Callable:
     return run
 
 
-def _run_forward(variant: KernelVariant, x, bias, probs, params):
-    if torch.compiler.is_compiling() or x.shape[0] == 0:
-        # Inside a caller's torch.compile the caller's graph compiles the math itself (and owns
-        # the shapes); an empty input has nothing to compute and would only cost a graph.
+def compiled_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Tensor:
+    """:func:`forward_math` compiled by ``torch.compile`` (the ``"inductor"`` backend)."""
+    if x.shape[0] == 0:  # nothing to compute; a graph for it would only cost compile time
         return forward_math(variant, x, bias, probs, params)
     return _compiled(variant, "fwd", x.shape[-1])(x, bias, probs, params)
 
 
-def _run_backward(variant: KernelVariant, grad, x, bias, probs, params):
-    if torch.compiler.is_compiling() or x.shape[0] == 0:
+def compiled_backward(variant: KernelVariant, grad, x, bias, probs, params):
+    """:func:`backward_math` compiled by ``torch.compile`` (the ``"inductor"`` backend)."""
+    if x.shape[0] == 0:
         return backward_math(variant, grad, x, bias, probs, params)
     terms = _compiled(variant, "bwd", x.shape[-1])(grad, x, bias, probs, params)
     # A GLU's halves are laid out as the input outside the compiled graph: inside it, Inductor
     # lowers the concatenation of two computed halves as one pointwise kernel that evaluates
     # both halves' math for every output element (1.8-6.6x the copy floor on an H200, against
-    # 1.9-2.5x with the layout done here; docs/performance.md).
-    # The price is one copy and, briefly, the halves and dx alive together.
+    # 1.9-2.5x with the layout done here; docs/performance.md). The Triton backend has neither
+    # cost: it writes dx in place.
     return assemble_backward(variant, *terms)
-
-
-def forward_math_fn(variant: KernelVariant) -> Callable:
-    """The eager (never compiled) forward of ``variant``: ``fn(x, bias, probs, params)``."""
-    return functools.partial(forward_math, variant)
-
-
-def backward_math_fn(variant: KernelVariant) -> Callable:
-    """The eager (never compiled) backward of ``variant``."""
-    return functools.partial(backward_math, variant)
-
-
-def forward_kernel(variant: KernelVariant) -> Callable:
-    """``fn(x, bias, probs, params) -> out`` for ``variant`` (compiled when enabled)."""
-    if _compile_enabled:
-        return functools.partial(_run_forward, variant)
-    return forward_math_fn(variant)
-
-
-def backward_kernel(variant: KernelVariant) -> Callable:
-    """``fn(grad, x, bias, probs, params) -> (dx, dbias, dprobs)`` (compiled when enabled)."""
-    if _compile_enabled:
-        return functools.partial(_run_backward, variant)
-    return backward_math_fn(variant)

@@ -1,7 +1,8 @@
-"""Fused activation: autograd.Function and functional API over the activation kernels.
+"""Fused activation: autograd.Function and functional API over the activation ops.
 
 ``fused_activation(x, spec, bias=..., probs=...)`` computes ``spec`` (an ``ActivationSpec``) in
-one fused forward kernel and one fused backward kernel. The upstream-named entry points
+one fused forward kernel and one fused backward kernel, through the custom ops of
+``activation_ops`` (which pick the backend: Triton on CUDA). The upstream-named entry points
 (``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``weighted_bias_quick_geglu_impl``,
 ``bias_geglu_impl``, ``bias_gelu_impl``, ``weighted_squared_relu_impl``) and the MLP / expert
 fused paths all come here, so they share one implementation per activation.
@@ -21,13 +22,12 @@ from mcore_activations.activation_spec import (
 )
 from mcore_activations.fusions.activation_kernels import (
     KernelVariant,
-    backward_kernel,
-    backward_math_fn,
-    forward_kernel,
-    forward_math_fn,
+    backward_math,
+    forward_math,
     params_tensor,
     spec_params,
 )
+from mcore_activations.fusions.activation_ops import run_backward, run_forward
 
 FP8_STORE_DTYPE = torch.float8_e4m3fn
 
@@ -37,14 +37,14 @@ def activation_forward(
 ) -> torch.Tensor:
     """Raw forward kernel (no autograd) on any-rank ``x``; ``probs`` has one value per row.
 
-    ``eager=True`` runs the uncompiled kernel body (used as the eager twin of compiled entry
-    points).
+    ``eager=True`` runs the torch reference math instead of the op (the eager twin of the
+    compiled entry points).
     """
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     x2d, probs2d = _flatten(x, probs)
     params = params_tensor(spec_params(spec), x.device)
-    fn = forward_math_fn(variant) if eager else forward_kernel(variant)
-    out = fn(x2d, bias, probs2d, params)
+    fn = forward_math if eager else run_forward
+    out = fn(variant, x2d, bias, probs2d, params)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -54,8 +54,8 @@ def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *,
     x2d, probs2d = _flatten(x, probs)
     grad2d = grad.reshape(x2d.shape[0], grad.shape[-1])
     params = params_tensor(spec_params(spec), x.device)
-    fn = backward_math_fn(variant) if eager else backward_kernel(variant)
-    dx, dbias, dprobs = fn(grad2d, x2d, bias, probs2d, params)
+    fn = backward_math if eager else run_backward
+    dx, dbias, dprobs = fn(variant, grad2d.contiguous(), x2d, bias, probs2d, params)
     if dprobs is not None:
         dprobs = dprobs.view(probs.shape)
     return dx.view(x.shape), dbias, dprobs
@@ -131,7 +131,7 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     ctx.input_shape = x.shape
     ctx.probs_shape = probs.shape if probs is not None else None
     x, probs = _flatten(x, probs)
-    out = forward_kernel(variant)(x, bias, probs, params)
+    out = run_forward(variant, x, bias, probs, params)
     stored = x.to(FP8_STORE_DTYPE) if fp8_input_store else x
     if cpu_offload_input:
         for tensor in (stored, bias, probs):
@@ -151,7 +151,7 @@ def saved_backward(ctx, grad):
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
     grad2d = grad.reshape(x.shape[0], grad.shape[-1]).contiguous()
-    dx, dbias, dprobs = backward_kernel(ctx.variant)(grad2d, x, bias, probs, ctx.params)
+    dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
     if dprobs is not None:
         dprobs = dprobs.view(ctx.probs_shape)
     return dx.view(ctx.input_shape), dbias, dprobs

@@ -106,7 +106,7 @@ def _entry(target):
     Each takes ``(y, c)`` / ``(g, y, c)``; the ``eager`` twins never touch compiled code.
     """
     from megatron.core.fusions import fused_bias_swiglu as sw
-    from megatron.core.fusions.activation_kernels import use_compiled_kernels
+    from mcore_activations.fusions.activation_ops import use_compiled_kernels
 
     def eager(fn):
         @functools.wraps(fn)

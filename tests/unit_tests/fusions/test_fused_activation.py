@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron.core.fusions.activation_kernels import use_compiled_kernels
+from mcore_activations.fusions.activation_ops import use_compiled_kernels
 from megatron.core.fusions.fused_activation import fused_activation, lower_to_fused_kernel
 from megatron.core.transformer.activation_spec import (
     ActivationKind,

@@ -7,7 +7,7 @@ from megatron.core import activations as act
 from megatron.core.fusions import fused_bias_geglu as gg
 from megatron.core.fusions import fused_bias_gelu as ge
 from megatron.core.fusions import fused_weighted_squared_relu as sq
-from megatron.core.fusions.activation_kernels import use_compiled_kernels
+from mcore_activations.fusions.activation_ops import use_compiled_kernels
 from megatron.core.transformer.activation_spec import ActivationKind, ActivationSpec
 from tests.unit_tests.activation_catalog import SPECS
 from tests.unit_tests.tolerances import assert_close_to_reference

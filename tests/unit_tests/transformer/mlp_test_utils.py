@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core.fusions.activation_kernels import use_compiled_kernels
+from mcore_activations.fusions.activation_ops import use_compiled_kernels
 from megatron.core.transformer.activation_spec import ActivationSpec, deinterleave_glu
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import CONFIGS

@@ -1,0 +1,445 @@
+"""Triton kernels for every activation an ActivationSpec describes (the kernel layer on CUDA).
+
+One forward and one backward kernel body cover every kernel variant
+(:class:`~mcore_activations.fusions.activation_kernels.KernelVariant`); the structure (kind,
+gated, clamps, bias / probs present, GLU interleave) arrives as ``tl.constexpr`` arguments, so
+each variant compiles to straight-line code. The runtime numbers (clamp ``c``, tanh scales,
+linear offset) are read from the float32 ``params`` tensor on the device, never baked into the
+code: one compiled kernel serves every value, which is what makes the path immune to the
+stale-constant class of bug (docs/compile-safety.md) and CUDA-graph capturable.
+
+Numerics mirror the torch reference in ``activation_kernels`` term by term: loads are upcast to
+float32, all math is float32, stores cast to the output dtype. Clamps are ``where`` selects that
+keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are inclusive at
+the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
+
+Layout: a GLU input row is ``[gate | linear]`` or, with interleave ``k``, blocks of ``k`` gate
+columns followed by ``k`` linear columns. Each program owns a ``BLOCK_M x BLOCK_N`` tile of
+*output* columns and reads (backward: writes) the matching gate and linear columns directly, so
+``dx`` is produced in its final layout with no concatenation or copy.
+
+Reductions are deterministic: the probability gradient is summed per row inside a program and
+the per-column-block partials are added by one ``torch.sum`` of fixed shape; the bias gradient
+is accumulated over a fixed row range per program (the ranges depend only on the shape) and the
+per-range partials are added the same way. No atomics anywhere.
+
+With ``TRITON_INTERPRET=1`` set before this module is imported the same kernels run on CPU
+tensors (the CPU test tier does this).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from mcore_activations.activation_spec import QUICK_GELU_ALPHA
+
+_QUICK_GELU_ALPHA = tl.constexpr(QUICK_GELU_ALPHA)
+_SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+_INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
+_INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
+_GELU_TANH_COEF = tl.constexpr(0.044715)
+# (Constants multiply from the right: the Triton 3.7 interpreter mis-types constexpr * tensor.)
+
+
+# ----------------------------------------------------------------------------- elementwise math
+@triton.jit
+def _tanh(x):
+    # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
+    # tanh has no interpreter implementation). (1 - e) / (1 + e) with e = exp(-2|x|) cancels for
+    # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    t = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    # NaN fails both comparisons and falls through to t, which is NaN.
+    return tl.where(ax < 0.0625, small, tl.where(x < 0.0, -t, t))
+
+
+@triton.jit
+def _base_and_grad(x, KIND: tl.constexpr):
+    """``act(x)`` and ``act'(x)`` for the base activation ``KIND``."""
+    if KIND == "silu":
+        s = tl.sigmoid(x)
+        y = x * s
+        d = s * (1.0 + x * (1.0 - s))
+    elif KIND == "quick_gelu":
+        s = tl.sigmoid(x * _QUICK_GELU_ALPHA)
+        y = x * s
+        d = s * (1.0 + x * _QUICK_GELU_ALPHA * (1.0 - s))
+    elif KIND == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(x * _INV_SQRT_2))
+        pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        y = x * cdf
+        d = cdf + x * pdf
+    elif KIND == "gelu_tanh":
+        t = _tanh((x + x * x * x * _GELU_TANH_COEF) * _SQRT_2_OVER_PI)
+        d_inner = (1.0 + x * x * (3.0 * _GELU_TANH_COEF)) * _SQRT_2_OVER_PI
+        y = 0.5 * x * (1.0 + t)
+        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+    elif KIND == "relu":
+        # where(x < 0, 0, x) keeps NaN, as torch.relu does; the derivative (x > 0) is 0 at NaN.
+        y = tl.where(x < 0.0, 0.0, x)
+        d = tl.where(x > 0.0, 1.0, 0.0)
+    else:
+        tl.static_assert(KIND == "squared_relu", "unknown activation kind")
+        r = tl.where(x < 0.0, 0.0, x)
+        y = r * r
+        d = 2.0 * r
+    return y, d
+
+
+@triton.jit
+def _glu_terms(
+    gate,
+    lin,
+    params_ptr,
+    KIND: tl.constexpr,
+    CLAMP: tl.constexpr,
+    GATE_TANH: tl.constexpr,
+    LINEAR_TANH: tl.constexpr,
+):
+    """Activation ``a``, linear factor ``L`` (offset added) and their local derivatives with the
+    clamp masks folded in (``da/dgate``, ``dL/dlinear``)."""
+    if CLAMP:
+        c = tl.load(params_ptr + 0)
+        gate_mask = tl.where(gate <= c, 1.0, 0.0)
+        lin_mask = tl.where((lin >= -c) & (lin <= c), 1.0, 0.0)
+        gate = tl.where(gate > c, c, gate)
+        lin = tl.where(lin > c, c, tl.where(lin < -c, -c, lin))
+    if GATE_TANH:  # SiTU-GLU gate: s_g * tanh(g / s_g) * sigmoid(g)
+        s_g = tl.load(params_ptr + 1)
+        t = _tanh(gate / s_g)
+        sig = tl.sigmoid(gate)
+        act = s_g * t * sig
+        d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
+    else:
+        act, d_act = _base_and_grad(gate, KIND)
+    if LINEAR_TANH:
+        s_l = tl.load(params_ptr + 2)
+        t_l = _tanh(lin / s_l)
+        lin = s_l * t_l
+        d_lin = 1.0 - t_l * t_l
+    else:
+        d_lin = tl.full(lin.shape, 1.0, tl.float32)
+    lin = lin + tl.load(params_ptr + 3)
+    if CLAMP:
+        d_act = d_act * gate_mask
+        d_lin = d_lin * lin_mask
+    return act, lin, d_act, d_lin
+
+
+@triton.jit
+def _unary_terms(h, params_ptr, KIND: tl.constexpr, SOFT_CLAMP: tl.constexpr):
+    """Value and derivative of a non-gated activation (``s * tanh(h / s)`` applied first)."""
+    if SOFT_CLAMP:
+        s = tl.load(params_ptr + 1)
+        t = _tanh(h / s)
+        y, d = _base_and_grad(s * t, KIND)
+        d = d * (1.0 - t * t)
+    else:
+        y, d = _base_and_grad(h, KIND)
+    return y, d
+
+
+@triton.jit
+def _glu_columns(cols, F, INTERLEAVE: tl.constexpr):
+    """Input columns of the gate and linear halves that produce output columns ``cols``."""
+    if INTERLEAVE == 0:
+        gcol = cols
+        lcol = cols + F
+    else:
+        gcol = (cols // INTERLEAVE) * (2 * INTERLEAVE) + cols % INTERLEAVE
+        lcol = gcol + INTERLEAVE
+    return gcol, lcol
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def _activation_fwd_kernel(
+    x_ptr,
+    bias_ptr,
+    probs_ptr,
+    params_ptr,
+    out_ptr,
+    rows,
+    F,
+    KIND: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    GATE_TANH: tl.constexpr,
+    LINEAR_TANH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = row < rows
+    col_ok = cols < F
+    mask = row_ok[:, None] & col_ok[None, :]
+    # int64 row offsets: rows * width passes 2**31 for large token counts.
+    row64 = row.to(tl.int64)[:, None]
+    if GATED:
+        x_row = x_ptr + row64 * (2 * F)
+        gcol, lcol = _glu_columns(cols, F, INTERLEAVE)
+        gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            gate += tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            lin += tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        act, lin, _, _ = _glu_terms(gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH)
+        y = act * lin
+    else:
+        h = tl.load(x_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            h += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        y, _ = _unary_terms(h, params_ptr, KIND, GATE_TANH)
+    if HAS_PROBS:
+        y = y * tl.load(probs_ptr + row, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + row64 * F + cols[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _activation_bwd_kernel(
+    grad_ptr,
+    x_ptr,
+    bias_ptr,
+    probs_ptr,
+    params_ptr,
+    dx_ptr,
+    dbias_part_ptr,
+    dprobs_part_ptr,
+    rows,
+    F,
+    rows_per_program,
+    KIND: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    GATE_TANH: tl.constexpr,
+    LINEAR_TANH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < F
+    W = 2 * F if GATED else F
+    if GATED:
+        gcol, lcol = _glu_columns(cols, F, INTERLEAVE)
+    else:
+        gcol = cols
+        lcol = cols
+    if HAS_BIAS:
+        bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_g = tl.zeros((BLOCK_N,), tl.float32)
+        if GATED:
+            bias_l = tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            acc_l = tl.zeros((BLOCK_N,), tl.float32)
+    # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
+    # row range in order, so the bias partial sums do not depend on scheduling.
+    for m in range(0, rows_per_program, BLOCK_M):
+        row = pid_m * rows_per_program + m + tl.arange(0, BLOCK_M)
+        row_ok = row < rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        row64 = row.to(tl.int64)[:, None]
+        g = tl.load(grad_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + row, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            g_scaled = g * p
+        else:
+            g_scaled = g
+        x_row = x_ptr + row64 * W
+        if GATED:
+            gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+            lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                gate += bias_g
+                lin += bias_l
+            act, lin, d_act, d_lin = _glu_terms(
+                gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH
+            )
+            d_gate = g_scaled * lin * d_act
+            d_linear = g_scaled * act * d_lin
+            dx_row = dx_ptr + row64 * W
+            tl.store(dx_row + gcol[None, :], d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dx_row + lcol[None, :], d_linear.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_BIAS:
+                acc_g += tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
+                acc_l += tl.sum(tl.where(mask, d_linear, 0.0), axis=0)
+            if HAS_PROBS:
+                unscaled = act * lin
+        else:
+            h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                h += bias_g
+            y, d = _unary_terms(h, params_ptr, KIND, GATE_TANH)
+            d_h = g_scaled * d
+            tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
+            if HAS_BIAS:
+                acc_g += tl.sum(tl.where(mask, d_h, 0.0), axis=0)
+            if HAS_PROBS:
+                unscaled = y
+        if HAS_PROBS:
+            part = tl.sum(tl.where(mask, g * unscaled, 0.0), axis=1)
+            tl.store(dprobs_part_ptr + pid_n * rows + row, part, mask=row_ok)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + pid_m * W + gcol, acc_g, mask=col_ok)
+        if GATED:
+            tl.store(dbias_part_ptr + pid_m * W + lcol, acc_l, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------- launch
+# Tile sizes in elements of output columns: the forward streams 2 loads and 1 store per element,
+# the backward 3 loads and 2 stores and keeps more values live, so it gets half the tile.
+_FWD_TILE = 4096
+_BWD_TILE = 2048
+# With a bias the backward reduces over rows; this many programs in total (across column blocks)
+# share the rows. A fixed number, not one derived from the device, keeps the summation order -
+# and so the bias gradient's bits - the same on every GPU.
+_BIAS_PROGRAMS = 1024
+
+
+def _block_n(F: int) -> int:
+    """Column block: the power of two in 128..1024 that wastes the fewest masked lanes on ``F``
+    (the largest on ties); narrower widths get one block of the next power of two."""
+    if F <= 128:
+        return triton.next_power_of_2(F)
+    return min((1024, 512, 256, 128), key=lambda b: (triton.cdiv(F, b) * b - F, -b))
+
+
+def _tiles(F: int, tile: int) -> tuple[int, int]:
+    block_n = _block_n(F)
+    return max(1, tile // block_n), block_n
+
+
+def _num_warps(block_m: int, block_n: int) -> int:
+    return 8 if block_m * block_n >= 4096 else 4
+
+
+def _constexprs(v) -> dict:
+    return dict(
+        KIND=v.kind,
+        GATED=v.gated,
+        CLAMP=v.clamp,
+        GATE_TANH=v.gate_tanh,
+        LINEAR_TANH=v.linear_tanh,
+        HAS_BIAS=v.has_bias,
+        HAS_PROBS=v.has_probs,
+        INTERLEAVE=v.interleave or 0,
+    )
+
+
+def _contiguous(*tensors):
+    # The kernels index rows as ``row * width``; contiguous() is free for the usual inputs.
+    return tuple(t.contiguous() if t is not None else None for t in tensors)
+
+
+def _device_guard(x: torch.Tensor):
+    # Triton launches on the current CUDA device; an input on another device needs a guard.
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return _NO_GUARD
+
+
+class _NoGuard:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_GUARD = _NoGuard()
+
+
+def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
+    """Forward of variant ``v`` on a contiguous 2-D ``x``; ``probs`` is ``[rows, 1]`` or None."""
+    x, bias, probs = _contiguous(x, bias, probs)
+    rows, width = x.shape
+    F = width // 2 if v.gated else width
+    out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m, block_n = _tiles(F, _FWD_TILE)
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(F, block_n))
+    with _device_guard(x):
+        _activation_fwd_kernel[grid](
+            x,
+            bias,
+            probs,
+            params,
+            out,
+            rows,
+            F,
+            **_constexprs(v),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=_num_warps(block_m, block_n),
+        )
+    return out
+
+
+def triton_backward(
+    v, grad, x, bias, probs, params
+) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Backward of variant ``v``: ``(dx, dbias or None, dprobs or None)``, dx laid out as ``x``."""
+    grad, x, bias, probs = _contiguous(grad, x, bias, probs)
+    rows, width = x.shape
+    F = width // 2 if v.gated else width
+    dx = torch.empty_like(x)
+    if rows == 0:
+        dbias = torch.zeros_like(bias) if bias is not None else None
+        dprobs = torch.zeros_like(probs) if probs is not None else None
+        return dx, dbias, dprobs
+    block_m, block_n = _tiles(F, _BWD_TILE)
+    col_blocks = triton.cdiv(F, block_n)
+    row_blocks = triton.cdiv(rows, block_m)
+    if v.has_bias:
+        row_programs = min(row_blocks, max(1, _BIAS_PROGRAMS // col_blocks))
+        rows_per_program = block_m * triton.cdiv(row_blocks, row_programs)
+        row_programs = triton.cdiv(rows, rows_per_program)
+        dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)
+    else:
+        rows_per_program, row_programs, dbias_part = block_m, row_blocks, None
+    dprobs_part = (
+        torch.empty((col_blocks, rows), dtype=torch.float32, device=x.device)
+        if v.has_probs
+        else None
+    )
+    with _device_guard(x):
+        _activation_bwd_kernel[(row_programs, col_blocks)](
+            grad,
+            x,
+            bias,
+            probs,
+            params,
+            dx,
+            dbias_part,
+            dprobs_part,
+            rows,
+            F,
+            rows_per_program,
+            **_constexprs(v),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=_num_warps(block_m, block_n),
+        )
+    dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
+    dprobs = None
+    if v.has_probs:
+        summed = dprobs_part[0] if col_blocks == 1 else dprobs_part.sum(dim=0)
+        dprobs = summed.view(rows, 1).to(probs.dtype)
+    return dx, dbias, dprobs
