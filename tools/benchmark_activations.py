@@ -1,14 +1,26 @@
-"""Benchmark the fused activation kernels against the memory-copy ceiling, eager torch and TE.
+"""Side-by-side benchmark of the fused activation path against TE, torch.compile, eager and the
+memory floor.
 
-Usage (GPU): ``python tools/benchmark_activations.py [--rows 16384 --ffn 8192] [--json out.json]``
+Usage (GPU)::
 
-For each activation it times forward and forward+backward of:
-- ``fused``: this project's compiled kernels (``fused_activation``);
-- ``eager``: the same math as plain eager torch ops with autograd (``unfused_activation``);
-- ``te``: the Transformer Engine op the spec lowers to, when TE is importable and the spec lowers.
-and reports each time with the ratio to the device-copy time of the same bytes (a gated forward
-reads 2F and writes F elements per row; its backward reads 3F and writes 2F). All timings in one
-run, on one device, with ``torch.cuda.Event`` medians.
+    python tools/benchmark_activations.py [--suite headline|sweep|full] [--json out.json]
+
+For each activation spec, dtype, shape ``T x H`` (input ``[T, 2H]`` for a GLU, ``[T, H]``
+otherwise) and weighting (per-row probabilities or none), in one run on one device, it times
+forward and forward+backward of:
+
+- ``ours``: this project's ``fused_activation`` (the Triton kernels on CUDA);
+- ``te``: the Transformer Engine op the spec lowers to (its ``Scaled*`` form when weighted), when
+  TE imports and has one;
+- ``compile``: plain ``torch.compile`` of the same float32 math with the scalars in a tensor (the
+  reference body, autograd-derived backward; static shapes, compiled per shape);
+- ``eager``: ``unfused_activation``, torch ops with autograd (headline suite only).
+
+``floor`` is a device-to-device copy of the bytes the activation must move, measured in the same
+run: forward reads the input and writes the output; backward reads the input and the output
+gradient and writes the input gradient. Each time is the median over repeats of ``--calls``
+back-to-back calls between two CUDA events, divided by ``--calls``: a call whose host side is
+slower than its kernels shows up as host time, as it would in training.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +42,13 @@ from mcore_activations.activation_spec import (  # noqa: E402
     ActivationSpec,
     unfused_activation,
 )
+from mcore_activations.fusions.activation_kernels import (  # noqa: E402
+    KernelVariant,
+    forward_math,
+    params_tensor,
+    spec_params,
+)
+from mcore_activations.fusions.activation_ops import kernel_backend  # noqa: E402
 from mcore_activations.fusions.fused_activation import fused_activation  # noqa: E402
 
 SPECS = {
@@ -37,123 +57,211 @@ SPECS = {
     "SiTU-GLU(4,25)": ActivationSpec(
         ActivationKind.SILU, gated=True, gate_tanh_scale=4.0, linear_tanh_scale=25.0
     ),
+    "SiTU-GLU(4)": ActivationSpec(ActivationKind.SILU, gated=True, gate_tanh_scale=4.0),
+    "GEGLU": ActivationSpec(ActivationKind.GELU_TANH, gated=True),
+    "ReGLU": ActivationSpec(ActivationKind.RELU, gated=True),
     "quick-GEGLU(gpt-oss)": ActivationSpec(
         ActivationKind.QUICK_GELU, gated=True, clamp_value=7.0, linear_offset=1.0
     ),
+    "GELU": ActivationSpec(ActivationKind.GELU_TANH),
+    "squared-ReLU": ActivationSpec(ActivationKind.SQUARED_RELU),
     "squared-ReLU(tanh=10)": ActivationSpec(ActivationKind.SQUARED_RELU, gate_tanh_scale=10.0),
 }
+HEADLINE = "SwiGLU(clamp=7)"
+HEADLINE_SHAPES = [(16384, 8192), (4096, 2048), (65536, 1536)]
+SWEEP_T = [256, 4096, 65536]
+SWEEP_H = [1024, 2880, 8192, 16384]  # 2880 (gpt-oss) is not a multiple of 128
 
 
-def time_ms(fn, iters=20, warmup=5):
-    """Median milliseconds of ``fn()`` over ``iters`` CUDA-event-timed runs."""
+def time_ms(fn, calls, repeats=7, warmup=3):
+    """Median over ``repeats`` of the mean time of ``calls`` back-to-back ``fn()`` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
-def copy_ms(numel, dtype):
-    """Time of a device copy of ``numel`` elements (reads and writes ``numel`` each)."""
-    src = torch.empty(numel, dtype=dtype, device="cuda")
+def copy_ms(nbytes, calls):
+    """Time of a device copy that reads and writes ``nbytes`` bytes."""
+    src = torch.empty(max(1, nbytes // 2), dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src))
+    return time_ms(lambda: dst.copy_(src), calls)
 
 
-def te_op(spec):
+def te_candidate(spec, weighted):
+    """The TE op for ``spec`` as ``fn(x, probs)``, or None when TE is absent or has no op."""
     try:
-        from megatron.core.extensions import transformer_engine as te_ext
+        from mcore_activations.te_lowering import lower_activation_to_te_op
 
-        if not te_ext.HAVE_TE:
-            return None
-        return te_ext.lower_activation_to_te_op(spec, path="benchmark", scaled=False)
-    except Exception:  # noqa: BLE001 - refused or unavailable: no TE column
+        op = lower_activation_to_te_op(spec, path="benchmark", scaled=weighted)
+    except Exception:  # noqa: BLE001 - TE missing or the spec does not lower: no TE column
         return None
+    if weighted:
+        return lambda x, p: op(x, p.view(-1))
+    return lambda x, p: op(x)
 
 
-def bench(name, spec, rows, ffn, dtype):
-    width = 2 * ffn if spec.gated else ffn
-    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
-    g = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+def compile_candidate(spec, weighted):
+    """Plain torch.compile of the reference math, scalars as a tensor, static shapes."""
+    variant = KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    params = params_tensor(spec_params(spec), torch.device("cuda"))
+    torch._dynamo.reset()  # each shape compiles its own static graphs
+
+    @torch.compile(dynamic=False)
+    def math(x, p):
+        return forward_math(variant, x, None, p, params)
+
+    return math
+
+
+def candidates(spec, weighted, with_eager):
+    found = {"ours": lambda x, p: fused_activation(x, spec, probs=p)}
+    te = te_candidate(spec, weighted)
+    if te is not None:
+        found["te"] = te
+    found["compile"] = compile_candidate(spec, weighted)
+    if with_eager:
+
+        def eager(x, p):
+            out = unfused_activation(x, spec)
+            return out * p.to(out.dtype) if p is not None else out
+
+        found["eager"] = eager
+    return found
+
+
+def bench(name, spec, T, H, dtype, weighted, with_eager):
+    """Times every candidate on one configuration; returns a result row."""
+    width = 2 * H if spec.gated else H
+    size = torch.tensor([], dtype=dtype).element_size()
+    x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(T, H, device="cuda", dtype=dtype)
+    probs = torch.rand(T, 1, device="cuda") if weighted else None
     xg = x.clone().requires_grad_()
-    # Bytes moved, in elements: fwd reads width, writes ffn; bwd reads width + ffn, writes width.
-    fwd_elems, bwd_elems = rows * (width + ffn), rows * (2 * width + ffn)
-    copy_fwd = copy_ms(fwd_elems // 2, dtype)
-    copy_fb = copy_ms((fwd_elems + bwd_elems) // 2, dtype)
-    candidates = {
-        "fused": lambda t: fused_activation(t, spec),
-        "eager": lambda t: unfused_activation(t, spec),
+    pg = probs.clone().requires_grad_() if weighted else None
+    # Small calls are host-bound: average more of them per event pair.
+    calls = max(3, min(200, int(2e8 // (T * width))))
+    fwd_bytes = T * (width + H) * size
+    bwd_bytes = T * (2 * width + H) * size
+    row = {
+        "spec": name,
+        "dtype": str(dtype).replace("torch.", ""),
+        "T": T,
+        "H": H,
+        "weighted": weighted,
+        "floor_fwd_ms": copy_ms(fwd_bytes, calls),
+        "floor_fwd_bwd_ms": copy_ms(fwd_bytes + bwd_bytes, calls),
     }
-    op = te_op(spec)
-    if op is not None:
-        candidates["te"] = op
-    row = {"activation": name, "copy_fwd_ms": copy_fwd, "copy_fwd_bwd_ms": copy_fb}
-    for label, fn in candidates.items():
+    for label, fn in candidates(spec, weighted, with_eager).items():
         with torch.no_grad():
-            fwd = time_ms(lambda fn=fn: fn(x))
+            row[f"{label}_fwd_ms"] = time_ms(lambda fn=fn: fn(x, probs), calls)
 
         def fwd_bwd(fn=fn):
             xg.grad = None
-            fn(xg).backward(g)
+            if pg is not None:
+                pg.grad = None
+            fn(xg, pg).backward(grad)
 
-        fb = time_ms(fwd_bwd)
-        row[f"{label}_fwd_ms"], row[f"{label}_fwd_bwd_ms"] = fwd, fb
-        row[f"{label}_fwd_vs_copy"], row[f"{label}_fwd_bwd_vs_copy"] = fwd / copy_fwd, fb / copy_fb
+        row[f"{label}_fwd_bwd_ms"] = time_ms(fwd_bwd, calls)
     return row
 
 
+def configurations(suite):
+    """``(name, spec, T, H, dtype, weighted, with_eager)`` for each row of ``suite``."""
+    bf16 = torch.bfloat16
+    if suite in ("headline", "full"):
+        for T, H in HEADLINE_SHAPES:
+            for name, spec in SPECS.items():
+                yield name, spec, T, H, bf16, False, True
+            yield HEADLINE, SPECS[HEADLINE], T, H, bf16, True, True
+        for dtype in (torch.float16, torch.float32):
+            for name in (HEADLINE, "SiTU-GLU(4,25)", "quick-GEGLU(gpt-oss)"):
+                yield name, SPECS[name], 16384, 8192, dtype, False, True
+    if suite in ("sweep", "full"):
+        for T in SWEEP_T:
+            for H in SWEEP_H:
+                for weighted in (False, True):
+                    yield HEADLINE, SPECS[HEADLINE], T, H, bf16, weighted, False
+
+
+def environment():
+    """Card, driver and library versions of this run."""
+    import triton
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "backend": kernel_backend(torch.device("cuda")),
+    }
+    try:
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        env["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        env["driver"] = "unknown"
+    try:
+        import transformer_engine
+
+        env["te"] = transformer_engine.__version__
+    except Exception:  # noqa: BLE001
+        env["te"] = "absent"
+    return env
+
+
+def markdown(rows):
+    """The result rows as a markdown table: ms, and x the floor in parentheses."""
+    labels = ["ours", "te", "compile", "eager"]
+    head = "| spec | dtype | T x H | probs | floor fwd / f+b ms |"
+    head += "".join(f" {label} fwd / f+b |" for label in labels)
+    lines = [head, "|" + "---|" * (5 + len(labels))]
+    for r in rows:
+        cells = []
+        for label in labels:
+            if f"{label}_fwd_ms" not in r:
+                cells.append("-")
+                continue
+            f = r[f"{label}_fwd_ms"]
+            fb = r[f"{label}_fwd_bwd_ms"]
+            floor_f, floor_fb = r["floor_fwd_ms"], r["floor_fwd_bwd_ms"]
+            cells.append(f"{f:.3f} ({f / floor_f:.2f}) / {fb:.3f} ({fb / floor_fb:.2f})")
+        lines.append(
+            f"| {r['spec']} | {r['dtype']} | {r['T']} x {r['H']} | {'yes' if r['weighted'] else ''}"
+            f" | {r['floor_fwd_ms']:.3f} / {r['floor_fwd_bwd_ms']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None):
-    """Runs the benchmark and prints a markdown table (and JSON on request)."""
+    """Runs the benchmark; prints the environment and a markdown table (JSON on request)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=16384)
-    parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full"])
+    parser.add_argument("--spec", action="append", choices=sorted(SPECS), help="only these")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_activations needs a CUDA GPU")
-    dtype = getattr(torch, args.dtype)
-    rows = [bench(n, s, args.rows, args.ffn, dtype) for n, s in SPECS.items()]
-    env = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "shape": [args.rows, args.ffn],
-        "dtype": args.dtype,
-    }
-    try:
-        from megatron.core.utils import get_te_version
-
-        env["te"] = str(get_te_version())
-    except Exception:  # noqa: BLE001
-        env["te"] = "absent"
-    print(json.dumps(env))
-    header = (
-        "| activation | copy fwd ms | fused fwd (x copy) | eager fwd (x copy) | te fwd (x copy) "
-    )
-    header += "| copy f+b ms | fused f+b (x copy) | eager f+b (x copy) | te f+b (x copy) |"
-    print(header)
-    print("|" + "---|" * 9)
-    for r in rows:
-
-        def cell(label, kind, r=r):
-            key = f"{label}_{kind}_ms"
-            if key not in r:
-                return "-"
-            return f"{r[key]:.3f} ({r[f'{label}_{kind}_vs_copy']:.2f})"
-
-        print(
-            f"| {r['activation']} | {r['copy_fwd_ms']:.3f} | {cell('fused', 'fwd')} | "
-            f"{cell('eager', 'fwd')} | {cell('te', 'fwd')} | {r['copy_fwd_bwd_ms']:.3f} | "
-            f"{cell('fused', 'fwd_bwd')} | {cell('eager', 'fwd_bwd')} | {cell('te', 'fwd_bwd')} |"
-        )
+    env = environment()
+    print(json.dumps(env), flush=True)
+    rows = []
+    for name, spec, T, H, dtype, weighted, with_eager in configurations(args.suite):
+        if args.spec and name not in args.spec:
+            continue
+        rows.append(bench(name, spec, T, H, dtype, weighted, with_eager))
+        torch.cuda.empty_cache()
+        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    print(markdown(rows))
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 

@@ -100,21 +100,37 @@ def spec_params(spec: ActivationSpec) -> tuple[float, float, float, float]:
     )
 
 
+_PARAMS_CACHE: dict[tuple, torch.Tensor] = {}
+_PARAMS_CACHE_SIZE = 256
+
+
 @torch.compiler.disable
 def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A float32 tensor holding ``values`` on ``device``, cached per (values, device).
 
-    Caching avoids a host-to-device copy per call. The tensor is created outside any compile
+    Caching avoids a host-to-device copy per call, which also keeps the kernels capturable in a
+    CUDA graph once a value has been seen. The tensor is created outside any compile
     (``torch.compiler.disable``), so an enclosing ``torch.compile`` receives it as a graph input
     and never traces the Python floats.
+
+    Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
+    mode and never cached: a fake tensor left in the cache would break every later real call.
     """
-    return _cached_params_tensor(tuple(float(v) for v in values), torch.device(device))
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    key = (values, device)
+    tensor = _PARAMS_CACHE.get(key)
+    if tensor is not None and not _tracing_with_fake_tensors():
+        return tensor
     with torch.inference_mode(False), torch.no_grad():
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+    if not _tracing_with_fake_tensors():
+        if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
+            _PARAMS_CACHE.pop(next(iter(_PARAMS_CACHE)))  # the oldest entry
+        _PARAMS_CACHE[key] = tensor
+    return tensor
+
+
+def _tracing_with_fake_tensors() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 # ----------------------------------------------------------------------------- elementwise math

@@ -46,7 +46,9 @@ _DEFAULT_HOST_BACKEND = "inductor" if jit.jit_fuser is torch.compile else "eager
 
 def _check_backend(name: str, source: str) -> str:
     if name not in BACKENDS:
-        raise ValueError(f"{source}={name!r} is not an activation kernel backend; use one of {BACKENDS}.")
+        raise ValueError(
+            f"{source}={name!r} is not an activation kernel backend; use one of {BACKENDS}."
+        )
     if name == "triton" and not _HAVE_TRITON:
         raise ValueError(
             f"{source}='triton' but Triton is not installed; install it (pip install triton) or "
@@ -147,7 +149,13 @@ def structure_args(variant: KernelVariant) -> tuple:
 
 def _variant(bias, probs, kind, gated, clamp, gate_tanh, linear_tanh, interleave):
     return KernelVariant(
-        kind, gated, clamp, gate_tanh, linear_tanh, bias is not None, probs is not None,
+        kind,
+        gated,
+        clamp,
+        gate_tanh,
+        linear_tanh,
+        bias is not None,
+        probs is not None,
         interleave or None,
     )
 

@@ -105,8 +105,8 @@ def _entry(target):
 
     Each takes ``(y, c)`` / ``(g, y, c)``; the ``eager`` twins never touch compiled code.
     """
-    from megatron.core.fusions import fused_bias_swiglu as sw
     from mcore_activations.fusions.activation_ops import use_compiled_kernels
+    from megatron.core.fusions import fused_bias_swiglu as sw
 
     def eager(fn):
         @functools.wraps(fn)

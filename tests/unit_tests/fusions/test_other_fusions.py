@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from mcore_activations.fusions.activation_ops import use_compiled_kernels
 from megatron.core import activations as act
 from megatron.core.fusions import fused_bias_geglu as gg
 from megatron.core.fusions import fused_bias_gelu as ge
 from megatron.core.fusions import fused_weighted_squared_relu as sq
-from mcore_activations.fusions.activation_ops import use_compiled_kernels
 from megatron.core.transformer.activation_spec import ActivationKind, ActivationSpec
 from tests.unit_tests.activation_catalog import SPECS
 from tests.unit_tests.tolerances import assert_close_to_reference

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.core.fusions import fused_bias_swiglu as sw
 from mcore_activations.fusions.activation_ops import use_compiled_kernels
+from megatron.core.fusions import fused_bias_swiglu as sw
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import SPECS
 from tests.unit_tests.tolerances import assert_close_to_reference
