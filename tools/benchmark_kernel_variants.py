@@ -14,6 +14,12 @@ time divided by a device copy of the same bytes, all in one run (docs/performanc
 
 Every layout formulation is checked against ``backward_math`` (to bf16 rounding: compiled code
 may contract multiply-adds differently from eager) before it is timed.
+
+- ``tiles``: the Triton kernels' launch shape (tile elements, warps, widest column block) for
+  forward and backward, unweighted and weighted, gated and not: the sweep behind the constants
+  in ``triton_kernels``.
+- ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
+  functional API, with and without autograd) and a cProfile of the functional API.
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def bench_layout(spec, rows, ffn, dtype):
     grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
     params = ak.params_tensor(ak.spec_params(spec), x.device)
     expected = ak.backward_math(v, grad, x, None, None, params)[0]
-    copy = copy_ms(rows * 5 * ffn // 2, dtype)  # reads 3F, writes 2F elements per row
+    copy = copy_ms(rows * 5 * ffn * dtype.itemsize)  # reads 3F, writes 2F elements per row
     row = {}
     for label, (fn, layout) in layout_formulations(v).items():
         torch._dynamo.reset()
@@ -139,8 +145,8 @@ def bench_compile(spec, rows, ffn, dtype):
     x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
     grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
     params = ak.params_tensor(ak.spec_params(spec), x.device)
-    copy_fwd = copy_ms(rows * (width + ffn) // 2, dtype)
-    copy_bwd = copy_ms(rows * (2 * width + ffn) // 2, dtype)
+    copy_fwd = copy_ms(rows * (width + ffn) * dtype.itemsize)
+    copy_bwd = copy_ms(rows * (2 * width + ffn) * dtype.itemsize)
 
     def fwd(x, bias, probs, params):
         return ak.forward_math(v, x, bias, probs, params)
@@ -164,6 +170,120 @@ def bench_compile(spec, rows, ffn, dtype):
     return row
 
 
+TILE_CASES = {
+    "SwiGLU(clamp=7)": (SPECS["SwiGLU(clamp=7)"], False),
+    "SwiGLU(clamp=7), probs": (SPECS["SwiGLU(clamp=7)"], True),
+    "SiTU-GLU(4,25)": (SPECS["SiTU-GLU(4,25)"], False),
+    "squared-ReLU": (ActivationSpec(ActivationKind.SQUARED_RELU), False),
+}
+FWD_CONFIGS = [
+    (2048, 4, 1024),
+    (4096, 4, 1024),
+    (4096, 8, 1024),
+    (8192, 8, 1024),
+    (4096, 8, 2048),
+    (8192, 8, 4096),
+    (16384, 16, 4096),
+]
+BWD_CONFIGS = [
+    (1024, 4, 1024),
+    (2048, 4, 1024),
+    (2048, 8, 1024),
+    (4096, 8, 1024),
+    (4096, 8, 2048),
+    (8192, 16, 4096),
+]
+
+
+def bench_tiles(spec, weighted, rows, ffn, dtype):
+    """Raw Triton forward / backward time over the copy floor for each (tile, warps, max block)."""
+    from mcore_activations.fusions import triton_kernels as tk
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    width = 2 * ffn if spec.gated else ffn
+    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    probs = torch.rand(rows, 1, device="cuda") if weighted else None
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    copy_fwd = copy_ms(rows * (width + ffn) * dtype.itemsize)
+    copy_bwd = copy_ms(rows * (2 * width + ffn) * dtype.itemsize)
+    names = ("_FWD_TILE", "_FWD_WARPS", "_BWD_TILE", "_BWD_WARPS", "_BWD_TILE_ROW")
+    names += ("_BWD_WARPS_ROW", "_MAX_BLOCK_N")
+    saved = {name: getattr(tk, name) for name in names}
+    row = {}
+    try:
+        for tile, warps, max_n in FWD_CONFIGS:
+            tk._FWD_TILE, tk._FWD_WARPS, tk._MAX_BLOCK_N = tile, warps, max_n
+            t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
+            row[f"fwd {tile}/{warps}/{max_n}"] = t / copy_fwd
+        for tile, warps, max_n in BWD_CONFIGS:
+            tk._BWD_TILE, tk._BWD_WARPS, tk._MAX_BLOCK_N = tile, warps, max_n
+            tk._BWD_TILE_ROW, tk._BWD_WARPS_ROW = tile, warps
+            t = time_ms(lambda: tk.triton_backward(variant, grad, x, None, probs, params))
+            row[f"bwd {tile}/{warps}/{max_n}"] = t / copy_bwd
+    finally:
+        for name, value in saved.items():
+            setattr(tk, name, value)
+    return row
+
+
+def bench_host():
+    """Microseconds per call of each layer on a tiny input; prints a cProfile of the top."""
+    import cProfile
+    import pstats
+    import time
+
+    from mcore_activations.fusions import activation_ops
+    from mcore_activations.fusions import triton_kernels as tk
+    from mcore_activations.fusions.fused_activation import fused_activation
+
+    spec = SPECS["SwiGLU(clamp=7)"]
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    grad = torch.randn(8, 32, device="cuda", dtype=torch.bfloat16)
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    out = torch.empty(8, 32, device="cuda", dtype=torch.bfloat16)
+
+    def launch():
+        kwargs = tk._forward_plan(variant, 32)[2]
+        tk._activation_fwd_kernel[(2, 1)](x, None, None, params, out, 8, 32, **kwargs)
+
+    def fwd_bwd():
+        xg.grad = None
+        fused_activation(xg, spec).backward(grad)
+
+    layers = {
+        "torch.empty": lambda: torch.empty(8, 32, device="cuda", dtype=torch.bfloat16),
+        "triton launch": launch,
+        "triton_forward": lambda: tk.triton_forward(variant, x, None, None, params),
+        "forward op": lambda: activation_ops.run_forward(variant, x, None, None, params),
+        "fused_activation (no grad)": lambda: fused_activation(x, spec),
+        "triton_backward": lambda: tk.triton_backward(variant, grad, x, None, None, params),
+        "fused_activation fwd+bwd": fwd_bwd,
+    }
+    row = {}
+    for label, fn in layers.items():
+        for _ in range(50):
+            with torch.no_grad() if "bwd" not in label else torch.enable_grad():
+                fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(2000):
+            with torch.no_grad() if "bwd" not in label else torch.enable_grad():
+                fn()
+        torch.cuda.synchronize()
+        row[label] = (time.perf_counter() - start) / 2000 * 1e6
+        print(f"{label}: {row[label]:.1f} us/call", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(500):
+        fwd_bwd()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    return row
+
+
 def _print_table(title, rows):
     print(f"\n{title} (time / copy of the same bytes)")
     columns = list(next(iter(rows.values())))
@@ -178,7 +298,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--experiment", choices=["compile", "layout", "all"], default="all")
+    parser.add_argument(
+        "--experiment", choices=["compile", "layout", "tiles", "host", "all"], default="all"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -197,6 +319,13 @@ def main(argv=None):
             n: bench_layout(s, args.rows, args.ffn, dtype) for n, s in SPECS.items()
         }
         _print_table("GLU backward layout", results["layout"])
+    if args.experiment in ("tiles", "all"):
+        results["tiles"] = {
+            n: bench_tiles(s, w, args.rows, args.ffn, dtype) for n, (s, w) in TILE_CASES.items()
+        }
+        _print_table("Triton launch shapes: tile/warps/max column block", results["tiles"])
+    if args.experiment in ("host", "all"):
+        results["host"] = bench_host()
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -104,7 +104,6 @@ _PARAMS_CACHE: dict[tuple, torch.Tensor] = {}
 _PARAMS_CACHE_SIZE = 256
 
 
-@torch.compiler.disable
 def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     """A float32 tensor holding ``values`` on ``device``, cached per (values, device).
 
@@ -116,6 +115,16 @@ def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tens
     Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
     mode and never cached: a fake tensor left in the cache would break every later real call.
     """
+    if not torch.compiler.is_compiling():
+        # The per-call path: a dict lookup, without the cost of entering a disabled region.
+        tensor = _PARAMS_CACHE.get((values, device))
+        if tensor is not None and not _tracing_with_fake_tensors():
+            return tensor
+    return _make_params_tensor(values, device)
+
+
+@torch.compiler.disable
+def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     key = (values, device)
     tensor = _PARAMS_CACHE.get(key)
     if tensor is not None and not _tracing_with_fake_tensors():

@@ -147,17 +147,16 @@ def structure_args(variant: KernelVariant) -> tuple:
     )
 
 
-def _variant(bias, probs, kind, gated, clamp, gate_tanh, linear_tanh, interleave):
+@functools.cache
+def _variant_of(structure: tuple, has_bias: bool, has_probs: bool) -> KernelVariant:
+    kind, gated, clamp, gate_tanh, linear_tanh, interleave = structure
     return KernelVariant(
-        kind,
-        gated,
-        clamp,
-        gate_tanh,
-        linear_tanh,
-        bias is not None,
-        probs is not None,
-        interleave or None,
+        kind, gated, clamp, gate_tanh, linear_tanh, has_bias, has_probs, interleave or None
     )
+
+
+def _variant(bias, probs, *structure):
+    return _variant_of(structure, bias is not None, probs is not None)
 
 
 def _forward_impl(x, bias, probs, params, *structure):

@@ -172,6 +172,10 @@ class FusedActivationFunction(torch.autograd.Function):
         return dx, dbias, dprobs, None, None, None
 
 
+def _any_requires_grad(*tensors) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
 def check_impl_input(input: torch.Tensor) -> None:
     """The upstream ``*_impl`` entry points take ``[tokens, width]`` or ``[seq, batch, width]``."""
     if input.dim() not in (2, 3):
@@ -221,5 +225,11 @@ def fused_activation(
         ``[..., F]`` in ``x.dtype``.
     """
     lower_to_fused_kernel(spec, "fused_activation")
-    check_inputs(spec, x, bias, probs)  # before autograd records anything
+    if not (torch.is_grad_enabled() and _any_requires_grad(x, bias, probs)):
+        # Nothing to differentiate: skip the autograd function and what it saves (its host
+        # cost is a large part of a small call's time).
+        check_inputs(spec, x, bias, probs)
+        return activation_forward(spec, x, bias, probs)
+    # The inputs are checked in the autograd function's forward (save_and_forward), before any
+    # kernel runs; a refusal there leaves no autograd record behind.
     return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)

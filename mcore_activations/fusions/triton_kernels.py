@@ -29,6 +29,7 @@ tensors (the CPU test tier does this).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -114,7 +115,9 @@ def _glu_terms(
         lin = tl.where(lin > c, c, tl.where(lin < -c, -c, lin))
     if GATE_TANH:  # SiTU-GLU gate: s_g * tanh(g / s_g) * sigmoid(g)
         s_g = tl.load(params_ptr + 1)
-        t = _tanh(gate / s_g)
+        # One scalar reciprocal per program instead of a division per element: the special-
+        # function unit, not memory, bounds SiTU-GLU on an H200, and every division costs one.
+        t = _tanh(gate * (1.0 / s_g))
         sig = tl.sigmoid(gate)
         act = s_g * t * sig
         d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
@@ -122,7 +125,7 @@ def _glu_terms(
         act, d_act = _base_and_grad(gate, KIND)
     if LINEAR_TANH:
         s_l = tl.load(params_ptr + 2)
-        t_l = _tanh(lin / s_l)
+        t_l = _tanh(lin * (1.0 / s_l))
         lin = s_l * t_l
         d_lin = 1.0 - t_l * t_l
     else:
@@ -139,7 +142,7 @@ def _unary_terms(h, params_ptr, KIND: tl.constexpr, SOFT_CLAMP: tl.constexpr):
     """Value and derivative of a non-gated activation (``s * tanh(h / s)`` applied first)."""
     if SOFT_CLAMP:
         s = tl.load(params_ptr + 1)
-        t = _tanh(h / s)
+        t = _tanh(h * (1.0 / s))
         y, d = _base_and_grad(s * t, KIND)
         d = d * (1.0 - t * t)
     else:
@@ -302,10 +305,15 @@ def _activation_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------- launch
-# Tile sizes in elements of output columns: the forward streams 2 loads and 1 store per element,
-# the backward 3 loads and 2 stores and keeps more values live, so it gets half the tile.
-_FWD_TILE = 4096
-_BWD_TILE = 2048
+# Launch shape. Tiles are counted in output elements: the forward streams 2 loads and 1 store
+# per element, the backward 3 loads and 2 stores and keeps more values live. The values are
+# plain constants, chosen from the H200 sweep of ``tools/benchmark_kernel_variants.py
+# --experiment tiles`` (docs/performance.md), not autotuned: a tuned choice could differ between
+# runs, and the reductions' summation order (and so the gradients' bits) follows the tile shape.
+_FWD_TILE, _FWD_WARPS = 4096, 8
+_BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
+_BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
+_MAX_BLOCK_N = 1024
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
@@ -313,24 +321,23 @@ _BIAS_PROGRAMS = 1024
 
 
 def _block_n(F: int) -> int:
-    """Column block: the power of two in 128..1024 that wastes the fewest masked lanes on ``F``
-    (the largest on ties); narrower widths get one block of the next power of two."""
+    """Column block: the power of two in 128.._MAX_BLOCK_N that wastes the fewest masked lanes
+    on ``F`` (the largest on ties); narrower widths get one block of the next power of two."""
     if F <= 128:
         return triton.next_power_of_2(F)
-    return min((1024, 512, 256, 128), key=lambda b: (triton.cdiv(F, b) * b - F, -b))
+    sizes = [b for b in (4096, 2048, 1024, 512, 256, 128) if b <= _MAX_BLOCK_N]
+    return min(sizes, key=lambda b: (triton.cdiv(F, b) * b - F, -b))
 
 
-def _tiles(F: int, tile: int) -> tuple[int, int]:
+@functools.cache
+def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict]:
+    """``(BLOCK_M, BLOCK_N, launch kwargs)`` of variant ``v`` at width ``F``; cached because the
+    host cost of a launch matters for the small calls MoE experts make (the arguments after
+    ``v`` and ``F`` are the module constants, so a changed constant gets a fresh plan)."""
+    del max_block_n  # part of the cache key only; _block_n reads it
     block_n = _block_n(F)
-    return max(1, tile // block_n), block_n
-
-
-def _num_warps(block_m: int, block_n: int) -> int:
-    return 8 if block_m * block_n >= 4096 else 4
-
-
-def _constexprs(v) -> dict:
-    return dict(
+    block_m = max(1, tile // block_n)
+    kwargs = dict(
         KIND=v.kind,
         GATED=v.gated,
         CLAMP=v.clamp,
@@ -339,7 +346,24 @@ def _constexprs(v) -> dict:
         HAS_BIAS=v.has_bias,
         HAS_PROBS=v.has_probs,
         INTERLEAVE=v.interleave or 0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
+    return block_m, block_n, kwargs
+
+
+def _forward_plan(v, F):
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N)
+
+
+def _backward_plan(v, F):
+    if v.has_probs or v.gated:
+        # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
+        # the copy floor on an H200 against 1.07x over one row (docs/performance.md), and GLUs
+        # gain nothing from taller tiles.
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N)
 
 
 def _contiguous(*tensors):
@@ -373,22 +397,10 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n = _tiles(F, _FWD_TILE)
+    block_m, block_n, kwargs = _forward_plan(v, F)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(F, block_n))
     with _device_guard(x):
-        _activation_fwd_kernel[grid](
-            x,
-            bias,
-            probs,
-            params,
-            out,
-            rows,
-            F,
-            **_constexprs(v),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=_num_warps(block_m, block_n),
-        )
+        _activation_fwd_kernel[grid](x, bias, probs, params, out, rows, F, **kwargs)
     return out
 
 
@@ -404,7 +416,7 @@ def triton_backward(
         dbias = torch.zeros_like(bias) if bias is not None else None
         dprobs = torch.zeros_like(probs) if probs is not None else None
         return dx, dbias, dprobs
-    block_m, block_n = _tiles(F, _BWD_TILE)
+    block_m, block_n, kwargs = _backward_plan(v, F)
     col_blocks = triton.cdiv(F, block_n)
     row_blocks = triton.cdiv(rows, block_m)
     if v.has_bias:
@@ -432,10 +444,7 @@ def triton_backward(
             rows,
             F,
             rows_per_program,
-            **_constexprs(v),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=_num_warps(block_m, block_n),
+            **kwargs,
         )
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
     dprobs = None

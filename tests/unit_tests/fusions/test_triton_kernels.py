@@ -68,7 +68,8 @@ def test_triton_reductions_across_programs(name, monkeypatch):
     from mcore_activations.fusions import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 4)  # 2 row programs per column block
-    monkeypatch.setattr(triton_kernels, "_BWD_TILE", 256)  # 2 rows per block at 128 columns
+    for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # 2 rows per block at 128 columns
+        monkeypatch.setattr(triton_kernels, constant, 256)
     with use_kernel_backend("triton"):
         check_against_reference(
             SPECS[name], torch.float32, True, True, device=DEVICE, rows=19, ffn=300
