@@ -8,6 +8,10 @@ value. Both ops are registered with the low-level ``torch.library.Library`` API:
 API (``torch.library.custom_op``) costs about 10 us more per call in Python, which is a
 measurable share of a small MoE expert's activation.
 
+Outside every tracer, on plain tensors, ``run_forward`` / ``run_backward`` call the backend
+directly instead of going through the dispatcher (``_plain_eager_call`` says when that is
+exactly equivalent); the op's host cost is otherwise a large share of a small call.
+
 Backends (``kernel_backend``):
 
 - ``"triton"``: the Triton kernels (``triton_kernels``); the default for CUDA tensors when
@@ -195,13 +199,33 @@ activation_forward_op = torch.ops.mcore_activations.activation_forward.default
 activation_backward_op = torch.ops.mcore_activations.activation_backward.default
 
 
+def _plain_eager_call(*tensors) -> bool:
+    """True when calling a backend directly is indistinguishable from calling the op.
+
+    That holds for plain tensors outside every tracer: no torch.compile / export trace, no
+    dispatch mode (fake tensors, FX proxies, functionalization, user modes) and no functorch
+    transform (vmap, grad). Then the op would only forward to the same implementation, and its
+    dispatch costs about as much as a small expert's kernel (docs/performance.md). Everything
+    else goes through the op, which is what tracers and tensor subclasses see.
+    """
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
+
+
 def run_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Tensor:
-    """The forward op on a contiguous 2-D ``x`` (``probs`` ``[rows, 1]`` or None)."""
+    """The forward op on a 2-D ``x`` (``probs`` ``[rows, 1]`` or None)."""
+    if _plain_eager_call(x, bias, probs, params):
+        return _forward(kernel_backend(x.device), variant, x, bias, probs, params)
     return activation_forward_op(x, bias, probs, params, *structure_args(variant))
 
 
 def run_backward(variant: KernelVariant, grad, x, bias, probs, params):
     """The backward op: ``(dx, dbias or None, dprobs or None)``."""
+    if _plain_eager_call(grad, x, bias, probs, params):
+        return _backward(kernel_backend(x.device), variant, grad, x, bias, probs, params)
     dx, dbias, dprobs = activation_backward_op(
         grad, x, bias, probs, params, *structure_args(variant)
     )

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import torch
@@ -49,13 +50,21 @@ _GELU_TANH_COEF = tl.constexpr(0.044715)
 
 # ----------------------------------------------------------------------------- elementwise math
 @triton.jit
+def _sigmoid(x):
+    # 1 / (1 + exp(-x)) with the fast division (div.full.f32, within 2 ulp): Triton's ``/`` and
+    # ``tl.sigmoid`` emit IEEE division, a multi-instruction sequence per element that made the
+    # transcendental-heavy activations (SiTU-GLU) compute-bound on an H200.
+    return tl.math.fdiv(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
 def _tanh(x):
     # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
     # tanh has no interpreter implementation). (1 - e) / (1 + e) with e = exp(-2|x|) cancels for
     # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
-    t = (1.0 - e) / (1.0 + e)
+    t = tl.math.fdiv(1.0 - e, 1.0 + e)
     x2 = x * x
     small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     # NaN fails both comparisons and falls through to t, which is NaN.
@@ -66,11 +75,11 @@ def _tanh(x):
 def _base_and_grad(x, KIND: tl.constexpr):
     """``act(x)`` and ``act'(x)`` for the base activation ``KIND``."""
     if KIND == "silu":
-        s = tl.sigmoid(x)
+        s = _sigmoid(x)
         y = x * s
         d = s * (1.0 + x * (1.0 - s))
     elif KIND == "quick_gelu":
-        s = tl.sigmoid(x * _QUICK_GELU_ALPHA)
+        s = _sigmoid(x * _QUICK_GELU_ALPHA)
         y = x * s
         d = s * (1.0 + x * _QUICK_GELU_ALPHA * (1.0 - s))
     elif KIND == "gelu":
@@ -118,7 +127,7 @@ def _glu_terms(
         # One scalar reciprocal per program instead of a division per element: the special-
         # function unit, not memory, bounds SiTU-GLU on an H200, and every division costs one.
         t = _tanh(gate * (1.0 / s_g))
-        sig = tl.sigmoid(gate)
+        sig = _sigmoid(gate)
         act = s_g * t * sig
         d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
     else:
@@ -330,10 +339,11 @@ def _block_n(F: int) -> int:
 
 
 @functools.cache
-def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict]:
-    """``(BLOCK_M, BLOCK_N, launch kwargs)`` of variant ``v`` at width ``F``; cached because the
-    host cost of a launch matters for the small calls MoE experts make (the arguments after
-    ``v`` and ``F`` are the module constants, so a changed constant gets a fresh plan)."""
+def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict, tuple]:
+    """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
+    ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
+    MoE experts make (the arguments after ``v`` and ``F`` are the module constants, so a changed
+    constant gets a fresh plan)."""
     del max_block_n  # part of the cache key only; _block_n reads it
     block_n = _block_n(F)
     block_m = max(1, tile // block_n)
@@ -350,7 +360,9 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
         BLOCK_N=block_n,
         num_warps=warps,
     )
-    return block_m, block_n, kwargs
+    params = [name for name in _activation_fwd_kernel.arg_names if name in kwargs]
+    assert params == [name for name in _activation_bwd_kernel.arg_names if name in kwargs]
+    return block_m, block_n, kwargs, tuple(kwargs[name] for name in params)
 
 
 def _forward_plan(v, F):
@@ -389,6 +401,51 @@ class _NoGuard:
 _NO_GUARD = _NoGuard()
 
 
+_DIRECT_LAUNCH = os.environ.get("MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH", "1") != "0"
+
+
+def _int_key(n: int) -> tuple[bool, bool, bool]:
+    # What Triton specialises an integer argument on: == 1, divisible by 16, 64-bit.
+    return n == 1, n % 16 == 0, n >= 2**31
+
+
+def _ptr_key(t: Optional[torch.Tensor]):
+    # What Triton specialises a pointer argument on: presence, dtype, 16-byte alignment.
+    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+
+
+class _Launcher:
+    """Runs a ``@triton.jit`` kernel; repeated calls launch its compiled binary directly.
+
+    ``kernel[grid](...)`` re-derives Triton's specialisation key from every argument in Python on
+    each call: about 20 of the 30 us a launch costs on the H200 host, where a small MoE expert's
+    activation takes 10-20 us on the GPU. The first call of each specialisation goes through
+    Triton (compiling if needed) and keeps the compiled kernel under a key made of exactly what
+    Triton specialises on (device, the plan's compile-time values, each pointer's dtype and
+    alignment, each integer's value class); later calls with the same key launch that kernel.
+    ``MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH=0`` turns this off (every call goes through Triton).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}
+
+    def __call__(self, grid, args: tuple, plan: tuple, key: tuple) -> None:
+        compiled = self.compiled.get(key) if _DIRECT_LAUNCH else None
+        if compiled is not None:
+            # Positional in signature order: runtime arguments, then the compile-time values
+            # (Triton's launcher skips those, as it does when it launches through the JIT).
+            compiled[grid](*args, *plan[3])
+            return
+        compiled = self.kernel[grid](*args, **plan[2])
+        if _DIRECT_LAUNCH and isinstance(compiled, triton.compiler.CompiledKernel):
+            self.compiled[key] = compiled
+
+
+_forward_launcher = _Launcher(_activation_fwd_kernel)
+_backward_launcher = _Launcher(_activation_bwd_kernel)
+
+
 def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     """Forward of variant ``v`` on a contiguous 2-D ``x``; ``probs`` is ``[rows, 1]`` or None."""
     x, bias, probs = _contiguous(x, bias, probs)
@@ -397,10 +454,20 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, kwargs = _forward_plan(v, F)
-    grid = (triton.cdiv(rows, block_m), triton.cdiv(F, block_n))
+    plan = _forward_plan(v, F)
+    grid = (triton.cdiv(rows, plan[0]), triton.cdiv(F, plan[1]), 1)
+    key = (
+        x.device.index,
+        plan[3],
+        plan[2]["num_warps"],
+        _ptr_key(x),
+        _ptr_key(bias),
+        _ptr_key(probs),
+        _ptr_key(params),
+    )
+    key += (_ptr_key(out), _int_key(rows), _int_key(F))
     with _device_guard(x):
-        _activation_fwd_kernel[grid](x, bias, probs, params, out, rows, F, **kwargs)
+        _forward_launcher(grid, (x, bias, probs, params, out, rows, F), plan, key)
     return out
 
 
@@ -416,7 +483,8 @@ def triton_backward(
         dbias = torch.zeros_like(bias) if bias is not None else None
         dprobs = torch.zeros_like(probs) if probs is not None else None
         return dx, dbias, dprobs
-    block_m, block_n, kwargs = _backward_plan(v, F)
+    plan = _backward_plan(v, F)
+    block_m, block_n = plan[0], plan[1]
     col_blocks = triton.cdiv(F, block_n)
     row_blocks = triton.cdiv(rows, block_m)
     if v.has_bias:
@@ -431,21 +499,11 @@ def triton_backward(
         if v.has_probs
         else None
     )
+    args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
+    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
+    key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
     with _device_guard(x):
-        _activation_bwd_kernel[(row_programs, col_blocks)](
-            grad,
-            x,
-            bias,
-            probs,
-            params,
-            dx,
-            dbias_part,
-            dprobs_part,
-            rows,
-            F,
-            rows_per_program,
-            **kwargs,
-        )
+        _backward_launcher((row_programs, col_blocks, 1), args, plan, key)
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
     dprobs = None
     if v.has_probs:

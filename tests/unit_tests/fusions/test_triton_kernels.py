@@ -301,3 +301,47 @@ def test_export_leaves_no_fake_tensor_behind():
     assert "mcore_activations.activation_forward.default" in targets
     eager = Layer()(x)  # failed with "Cannot access data pointer of Tensor" before the fix
     torch.testing.assert_close(exported.module()(x), eager, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_tracers_see_the_op_and_plain_calls_skip_only_the_dispatcher():
+    """Plain eager calls run the backend directly; under a dispatch mode (as under fake tensors,
+    FX tracing, functionalization) the call goes through the op, with the same result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    spec = SPECS["swiglu_clamp"]
+    x = torch.randn(3, 8) * 4
+    direct = fused_activation(x, spec)
+    with Log():
+        traced = fused_activation(x, spec)
+    assert "mcore_activations.activation_forward.default" in seen
+    torch.testing.assert_close(direct, traced, rtol=0, atol=0)
+    # Under vmap the op's batching fallback runs it row by row: the kernels never see a
+    # batched (wrapped) tensor.
+    vmapped = torch.vmap(lambda row: fused_activation(row, spec))(x)
+    torch.testing.assert_close(vmapped, direct, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_cuda_direct_launch_respecialises_on_alignment():
+    """The direct launcher keys compiled kernels on what Triton specialises on: an input that is
+    not 16-byte aligned after an aligned one must get its own kernel, not the aligned one."""
+    spec = SPECS["swiglu_clamp"]
+    aligned = torch.randn(33, 64, device="cuda", dtype=torch.bfloat16) * 4
+    storage = torch.empty(33 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    shifted = storage[1:].view(33, 64)
+    shifted.copy_(aligned)
+    assert shifted.data_ptr() % 16 != 0
+    with use_kernel_backend("triton"):
+        first = fused_activation(aligned, spec)
+        again = fused_activation(aligned, spec)  # direct launch of the cached kernel
+        moved = fused_activation(shifted, spec)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(moved, first, rtol=0, atol=0)
