@@ -35,11 +35,20 @@ FP8_STORE_DTYPE = torch.float8_e4m3fn
 def activation_forward(
     spec: ActivationSpec, x, bias=None, probs=None, *, eager: bool = False
 ) -> torch.Tensor:
-    """Raw forward kernel (no autograd) on any-rank ``x``; ``probs`` has one value per row.
+    """Forward of ``spec`` on any-rank ``x``; ``probs`` has one value per row.
 
-    ``eager=True`` runs the torch reference math instead of the op (the eager twin of the
-    compiled entry points).
+    Differentiable, like the ``@jit_fuser`` functions upstream names this way: with gradients
+    required it runs through :class:`FusedActivationFunction` (the fused backward kernel),
+    otherwise straight through the forward op. ``eager=True`` runs the torch reference math
+    instead (the eager twin of the compiled entry points; autograd differentiates it).
     """
+    if not eager and torch.is_grad_enabled() and _any_requires_grad(x, bias, probs):
+        check_inputs(spec, x, bias, probs)
+        return FusedActivationFunction.apply(x, bias, probs, spec, False, False)
+    return _forward_no_autograd(spec, x, bias, probs, eager)
+
+
+def _forward_no_autograd(spec, x, bias, probs, eager=False):
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     x2d, probs2d = _flatten(x, probs)
     params = params_tensor(spec_params(spec), x.device)
@@ -229,7 +238,7 @@ def fused_activation(
         # Nothing to differentiate: skip the autograd function and what it saves (its host
         # cost is a large part of a small call's time).
         check_inputs(spec, x, bias, probs)
-        return activation_forward(spec, x, bias, probs)
+        return _forward_no_autograd(spec, x, bias, probs)
     # The inputs are checked in the autograd function's forward (save_and_forward), before any
     # kernel runs; a refusal there leaves no autograd record behind.
     return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)

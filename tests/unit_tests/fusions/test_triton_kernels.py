@@ -345,3 +345,32 @@ def test_cuda_direct_launch_respecialises_on_alignment():
         moved = fused_activation(shifted, spec)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     torch.testing.assert_close(moved, first, rtol=0, atol=0)
+
+
+@needs_triton_here
+def test_upstream_raw_functions_stay_differentiable_on_the_triton_backend():
+    """Upstream's ``@jit_fuser`` functions (``clamped_swiglu``, ``bias_gelu``, ...) are compiled
+    torch code there, so autograd goes through them; on the Triton backend they must too."""
+    from megatron.core.fusions import fused_bias_gelu as ge
+    from megatron.core.fusions import fused_bias_swiglu as sw
+
+    y = (torch.randn(5, 16, device=DEVICE) * 4).requires_grad_()
+    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    with use_kernel_backend("triton"):
+        cases = [
+            (sw.clamped_swiglu(y, 1.5), sw.clamped_swiglu._torchdynamo_orig_callable(y, 1.5)),
+            (
+                ge.bias_gelu(b, y),
+                (lambda t: 0.5 * t * (1 + torch.tanh(0.79788456 * t * (1 + 0.044715 * t * t))))(
+                    y + b
+                ),
+            ),
+        ]
+        for got, ref in cases:
+            g = torch.randn_like(got)
+            got_grads = torch.autograd.grad(got, (y, b), g, allow_unused=True)
+            ref_grads = torch.autograd.grad(ref, (y, b), g, allow_unused=True)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+            for a, r in zip(got_grads, ref_grads):
+                if r is not None:
+                    torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
