@@ -249,6 +249,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full"])
     parser.add_argument("--spec", action="append", choices=sorted(SPECS), help="only these")
+    parser.add_argument("--h", type=int, action="append", help="only these widths H")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -257,7 +258,7 @@ def main(argv=None):
     print(json.dumps(env), flush=True)
     rows = []
     for name, spec, T, H, dtype, weighted, with_eager in configurations(args.suite):
-        if args.spec and name not in args.spec:
+        if (args.spec and name not in args.spec) or (args.h and H not in args.h):
             continue
         rows.append(bench(name, spec, T, H, dtype, weighted, with_eager))
         torch.cuda.empty_cache()

@@ -374,3 +374,41 @@ def test_upstream_raw_functions_stay_differentiable_on_the_triton_backend():
             for a, r in zip(got_grads, ref_grads):
                 if r is not None:
                     torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "scaled"])
+@pytest.mark.parametrize("name", GATED + ["squared_relu", "squared_relu_tanh"])
+def test_cuda_triton_matches_te_op(name, weighted):
+    """Where Transformer Engine has an op for the spec, it and the Triton kernels agree (both
+    against the float64 reference, through the one tolerance table, forward and backward)."""
+    from mcore_activations.activation_spec import UnsupportedActivationError
+    from mcore_activations.te_lowering import lower_activation_to_te_op
+
+    spec = SPECS[name]
+    try:
+        op = lower_activation_to_te_op(spec, path="test", scaled=weighted)
+    except UnsupportedActivationError:
+        pytest.skip(f"TE has no {'scaled ' if weighted else ''}op for {name}")
+    width = 2 * 512 if spec.gated else 512
+    x = torch.randn(257, width, device="cuda", dtype=torch.bfloat16) * 3
+    probs = torch.rand(257, 1, device="cuda") if weighted else None
+    grad = torch.randn(257, 512, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for run in ("triton", "te"):
+        xs = x.clone().requires_grad_()
+        ps = probs.clone().requires_grad_() if weighted else None
+        if run == "triton":
+            with use_kernel_backend("triton"):
+                out = fused_activation(xs, spec, probs=ps)
+        else:
+            out = op(xs, ps.view(-1)) if weighted else op(xs)
+        out.backward(grad)
+        results.append((out, xs.grad))
+    xr = x.double().requires_grad_()
+    ref = spec.reference(xr, probs=probs.double() if weighted else None)
+    ref.backward(grad.double())
+    for (out, dx), run in zip(results, ("triton", "te")):
+        assert_close_to_reference(out, ref, torch.bfloat16, f"{run} {name} out")
+        assert_close_to_reference(dx, xr.grad, torch.bfloat16, f"{run} {name} dx")
