@@ -20,7 +20,7 @@ tail -5 "$OUT/gpu_tests.log"
 python3 -m megatron.core.transformer.activation_audit --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1
 audit_rc=$?
 grep -v "^ \|Traceback\|Warning" "$OUT/audit.txt" | head -40
-python3 tools/benchmark_activations.py --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
+python3 tools/benchmark_activations.py --suite full --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
 tail -8 "$OUT/bench.txt"
 echo "tests rc=$tests_rc audit rc=$audit_rc"
 [ "$tests_rc" -eq 0 ] && [ "$audit_rc" -eq 0 ]
