@@ -433,8 +433,12 @@ def unfused_activation(
     if spec.gated:
         gate, lin = deinterleave_glu(x, spec.glu_interleave_size)
         if spec.clamp_value is not None:
-            gate = torch.clamp(gate, max=spec.clamp_value)
-            lin = torch.clamp(lin, -spec.clamp_value, spec.clamp_value)
+            # torch.clamp refuses a Python bound the tensor's dtype cannot hold (fp16 and
+            # c = 1e5). Such a clamp bounds no finite value of that dtype, so capping it at the
+            # dtype's largest finite value computes the same on every finite input.
+            c = min(spec.clamp_value, torch.finfo(gate.dtype).max)
+            gate = torch.clamp(gate, max=c)
+            lin = torch.clamp(lin, -c, c)
         act = situ(gate, spec.gate_tanh_scale) if spec.is_situ_glu else func(gate)
         if spec.linear_tanh_scale is not None:
             lin = tanh_soft_clamp(lin, spec.linear_tanh_scale)

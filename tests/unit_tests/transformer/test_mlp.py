@@ -471,3 +471,24 @@ def test_per_token_scale_of_another_shape_is_refused_on_every_path(pg, path, sca
     x = torch.randn(SEQ, BATCH, config.hidden_size)
     with pytest.raises(ValueError, match="per_token_scale of shape .* does not match"):
         mlp(x, per_token_scale=torch.rand(scale_shape))
+
+
+@pytest.mark.parametrize("path", [UNFUSED, FUSED])
+def test_clamp_beyond_the_dtype_range_bounds_nothing_finite(pg, path):
+    """fp16 with clamp 1e5 (above fp16's 65504): every finite value is inside the clamp, so the
+    layer computes plain SwiGLU; the unfused path once crashed at the first forward."""
+    moe = moe_kwargs("swiglu_clamp")
+    flags = dict(params_dtype=torch.float16, fp16=True, bf16=False, **moe)
+    clamped = build_mlp(
+        make_config("swiglu_clamp", torch.float16, path, **flags, activation_func_clamp_value=1e5),
+        pg,
+    )
+    plain = build_mlp(make_config("swiglu", torch.float16, path, **flags), pg)
+    randomize_(clamped, torch.float16, seed=3)
+    plain.load_state_dict(clamped.state_dict())
+    x = torch.randn(SEQ, BATCH, 24, dtype=torch.float16)
+    with kernel_mode(path):
+        out, _ = clamped(x.clone().requires_grad_())
+        expected, _ = plain(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
