@@ -31,6 +31,12 @@ needs_triton_here = pytest.mark.skipif(
     not (CUDA or INTERPRETED), reason="Triton needs a GPU or TRITON_INTERPRET=1"
 )
 DEVICE = "cuda" if CUDA else "cpu"
+# The checks that are not already part of the large GPU matrix below run on both: CPU under the
+# interpreter (CI) and, in the GPU tier (``-m gpu``), compiled on the GPU.
+BOTH = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET unset")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GATED = sorted(name for name, spec in SPECS.items() if spec.gated)
 
@@ -46,23 +52,25 @@ def _cases():
 @pytest.mark.parametrize("has_bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("name,interleave", list(_cases()))
 def test_triton_kernels_match_reference(name, interleave, has_bias, has_probs):
-    # Odd row count, a width that is not a power of two; inputs at std 3 hit every clamp.
+    # Odd row count and an odd F (24 with interleave 4: whole blocks); inputs at std 3 hit every
+    # clamp. The dtype rotates over the cases (every dtype is covered by the next test).
     spec = spec_of(name, glu_interleave_size=interleave)
-    dtype = DTYPES[hash((name, interleave, has_bias, has_probs)) % len(DTYPES)]
+    dtype = DTYPES[sum(map(ord, f"{name}{interleave}{has_bias}{has_probs}")) % len(DTYPES)]
+    ffn = 24 if interleave else 13
     with use_kernel_backend("triton"):
-        check_against_reference(spec, dtype, has_bias, has_probs, device=DEVICE, rows=7, ffn=24)
+        check_against_reference(spec, dtype, has_bias, has_probs, device=DEVICE, rows=7, ffn=ffn)
 
 
-@needs_triton_here
+@pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triton_kernels_every_dtype(dtype):
+def test_triton_kernels_every_dtype(dtype, device):
     with use_kernel_backend("triton"):
-        check_against_reference(SPECS["situ_glu"], dtype, True, True, device=DEVICE, rows=5, ffn=8)
+        check_against_reference(SPECS["situ_glu"], dtype, True, True, device=device, rows=5, ffn=8)
 
 
-@needs_triton_here
+@pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("name", ["swiglu_clamp", "squared_relu_tanh"])
-def test_triton_reductions_across_programs(name, monkeypatch):
+def test_triton_reductions_across_programs(name, device, monkeypatch):
     """Several column blocks (probs partials) and several row programs each looping over several
     row blocks (bias partials): the paths a small test shape would otherwise never take."""
     from mcore_activations.fusions import triton_kernels
@@ -72,13 +80,13 @@ def test_triton_reductions_across_programs(name, monkeypatch):
         monkeypatch.setattr(triton_kernels, constant, 256)
     with use_kernel_backend("triton"):
         check_against_reference(
-            SPECS[name], torch.float32, True, True, device=DEVICE, rows=19, ffn=300
+            SPECS[name], torch.float32, True, True, device=device, rows=19, ffn=300
         )
 
 
-@needs_triton_here
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_triton_matches_torch_backends_elementwise():
+@pytest.mark.parametrize("device", BOTH)
+def test_triton_matches_torch_backends_elementwise(device):
     """The Triton kernels and the torch reference math agree to float32 rounding on raw calls,
     including on NaN and inf inputs (documented: NaN propagates, clamps keep NaN)."""
     torch.manual_seed(0)
@@ -88,10 +96,10 @@ def test_triton_matches_torch_backends_elementwise():
         from mcore_activations.fusions.activation_kernels import params_tensor, spec_params
 
         width = 32 if spec.gated else 16
-        x = torch.randn(6, width, device=DEVICE) * 8
+        x = torch.randn(6, width, device=device) * 8
         x[0, 0], x[1, 1], x[2, 2], x[3, width - 1] = math.nan, math.inf, -math.inf, math.nan
-        probs = torch.rand(6, 1, device=DEVICE)
-        grad = torch.randn(6, width // 2 if spec.gated else width, device=DEVICE)
+        probs = torch.rand(6, 1, device=device)
+        grad = torch.randn(6, width // 2 if spec.gated else width, device=device)
         params = params_tensor(spec_params(spec), x.device)
         with use_kernel_backend("triton"):
             out = activation_ops.run_forward(variant, x, None, probs, params)
@@ -134,16 +142,23 @@ def test_bad_backend_in_environment_is_refused_at_import():
     assert "MCORE_ACTIVATIONS_BACKEND='fast' is not an activation kernel backend" in proc.stderr
 
 
-@pytest.mark.parametrize("backend", ["eager", pytest.param("triton", marks=needs_triton_here)])
-def test_custom_ops_pass_opcheck(backend):
+@pytest.mark.parametrize(
+    "backend,device",
+    [
+        ("eager", "cpu"),
+        pytest.param("triton", "cpu", marks=BOTH[0].marks),
+        pytest.param("triton", "cuda", marks=pytest.mark.gpu),
+    ],
+)
+def test_custom_ops_pass_opcheck(backend, device):
     spec = spec_of("swiglu_clamp", glu_interleave_size=4)
     variant = KernelVariant.of(spec, has_bias=True, has_probs=True)
     from mcore_activations.fusions.activation_kernels import params_tensor, spec_params
 
-    x = torch.randn(5, 16, device=DEVICE, requires_grad=False)
-    bias = torch.randn(16, device=DEVICE)
-    probs = torch.rand(5, 1, device=DEVICE)
-    grad = torch.randn(5, 8, device=DEVICE)
+    x = torch.randn(5, 16, device=device, requires_grad=False)
+    bias = torch.randn(16, device=device)
+    probs = torch.rand(5, 1, device=device)
+    grad = torch.randn(5, 8, device=device)
     params = params_tensor(spec_params(spec), x.device).clone()
     structure = activation_ops.structure_args(variant)
     with use_kernel_backend(backend):
@@ -347,15 +362,15 @@ def test_cuda_direct_launch_respecialises_on_alignment():
     torch.testing.assert_close(moved, first, rtol=0, atol=0)
 
 
-@needs_triton_here
-def test_upstream_raw_functions_stay_differentiable_on_the_triton_backend():
+@pytest.mark.parametrize("device", BOTH)
+def test_upstream_raw_functions_stay_differentiable_on_the_triton_backend(device):
     """Upstream's ``@jit_fuser`` functions (``clamped_swiglu``, ``bias_gelu``, ...) are compiled
     torch code there, so autograd goes through them; on the Triton backend they must too."""
     from megatron.core.fusions import fused_bias_gelu as ge
     from megatron.core.fusions import fused_bias_swiglu as sw
 
-    y = (torch.randn(5, 16, device=DEVICE) * 4).requires_grad_()
-    b = torch.randn(16, device=DEVICE, requires_grad=True)
+    y = (torch.randn(5, 16, device=device) * 4).requires_grad_()
+    b = torch.randn(16, device=device, requires_grad=True)
     with use_kernel_backend("triton"):
         cases = [
             (sw.clamped_swiglu(y, 1.5), sw.clamped_swiglu._torchdynamo_orig_callable(y, 1.5)),
