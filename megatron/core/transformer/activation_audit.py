@@ -4,8 +4,9 @@ Usage::
 
     python -m megatron.core.transformer.activation_audit            # the built-in activation set
     python -m megatron.core.transformer.activation_audit --activation-func silu \\
-        --gated-linear-unit --activation-func-clamp-value 7 --num-moe-experts 8
+        --gated-linear-unit --activation-func-clamp-value 7
     python -m megatron.core.transformer.activation_audit --json audit.json
+    python -m megatron.core.transformer.activation_audit --json - > audit.json  # JSON alone
 
 For each activation and each path (unfused ``MLP``, ``MLP`` with fused kernels, ``SharedExpertMLP``,
 ``SequentialMLP``, and with Transformer Engine on a GPU ``TEFusedMLP``,
@@ -16,7 +17,8 @@ with a float64 evaluation of ``ActivationSpec.reference`` on the same weights (m
 max |reference|). The TE fused classes are compared with their unfused parent class on the same
 weights instead (||error|| / ||parent||), which isolates the activation from TE's GEMMs. Each
 cell of the printed table is ``match`` (worst error), ``refuses`` (the construction-time error),
-or ``MISMATCH``; the exit status is 1 if any cell is a mismatch.
+or ``MISMATCH``; the exit status is 1 if any cell is a mismatch and 2 on a usage error (checked
+before anything runs). Progress goes to stderr, one line per cell.
 """
 
 from __future__ import annotations
@@ -519,8 +521,11 @@ def _init_single_process_world(device):
     model_parallel_cuda_manual_seed(1234)
 
 
-def run_audit(activations_to_run: dict, device, dtype, paths=None) -> list[Cell]:
-    """Runs every (path, activation) cell this machine can run."""
+def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None) -> list[Cell]:
+    """Runs every (path, activation) cell this machine can run.
+
+    ``progress``, if given, is called with ``(done, total, cell)`` after each cell.
+    """
     from mcore_activations.te_import import have_te
 
     _init_single_process_world(device)
@@ -531,17 +536,22 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None) -> list[Cell]
     else:
         no_te = None
     cells = []
-    for path in paths or all_paths():
+    paths = list(paths or all_paths())
+    total = len(paths) * len(activations_to_run)
+    for path in paths:
         for act_name, kwargs in activations_to_run.items():
             if path.needs_te and no_te:
                 cells.append(Cell(path.name, act_name, "unavailable", detail=no_te))
-                continue
-            try:
-                cells.append(audit_cell(path, act_name, kwargs, device, dtype))
-            except Exception as err:  # noqa: BLE001 - report, never hide, unexpected failures
-                detail = f"{type(err).__name__}: {err}".splitlines()[0]
-                cells.append(Cell(path.name, act_name, "MISMATCH", detail=f"crashed: {detail}"))
-                traceback.print_exc(file=sys.stderr)
+            else:
+                try:
+                    cells.append(audit_cell(path, act_name, kwargs, device, dtype))
+                except Exception as err:  # noqa: BLE001 - report, never hide, unexpected failures
+                    detail = f"{type(err).__name__}: {err}".splitlines()[0]
+                    crashed = Cell(path.name, act_name, "MISMATCH", detail=f"crashed: {detail}")
+                    cells.append(crashed)
+                    traceback.print_exc(file=sys.stderr)
+            if progress is not None:
+                progress(len(cells), total, cells[-1])
     return cells
 
 
@@ -584,6 +594,15 @@ def _activation_from_args(args) -> dict:
     return kwargs
 
 
+_ACTIVATION_OPTIONS = (
+    "gated_linear_unit",
+    "activation_func_clamp_value",
+    "activation_func_tanh_clamp_scale",
+    "activation_func_tanh_clamp_scale_linear",
+    "glu_linear_offset",
+)
+
+
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -601,11 +620,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.activation_func is None:
-        if any(
-            getattr(args, f) is not None
-            for f in ("activation_func_clamp_value", "activation_func_tanh_clamp_scale")
-        ):
-            parser.error("--activation-func is required with activation options")
+        given = [f"--{f.replace('_', '-')}" for f in _ACTIVATION_OPTIONS if getattr(args, f)]
+        if given:
+            parser.error(
+                f"{', '.join(given)} describe one activation and need --activation-func; without "
+                "it the built-in set is audited."
+            )
         to_run = BUILT_IN
     else:
         kwargs = _activation_from_args(args)
@@ -615,30 +635,54 @@ def main(argv=None) -> int:
             parser.error(f"invalid activation configuration: {err}")
         to_run = {name: kwargs}
 
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError) as err:
+        parser.error(f"--device {args.device!r} is not a device: {err}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device} but this machine has no usable CUDA GPU; use cpu.")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {args.device}: the audit runs on cpu or cuda.")
+    json_file = None
+    if args.json and args.json != "-":
+        try:  # fail now, not after the whole audit
+            json_file = open(args.json, "w")
+        except OSError as err:
+            parser.error(f"--json {args.json}: cannot write there ({err.strerror}).")
+    # With the JSON on stdout, everything else goes to stderr so stdout stays parseable.
+    report = sys.stderr if args.json == "-" else sys.stdout
+
     # Full-precision float32 GEMMs in every NVIDIA library (cuBLAS inside TE would otherwise
     # use TF32), so float32 comparisons measure the activation, not the matmul precision. Set
     # before any CUDA work; an explicit setting in the environment wins.
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cells = run_audit(to_run, device, dtype)
-    print(f"activation audit: device={device} dtype={args.dtype} torch={torch.__version__}")
-    print(format_table(cells, list(to_run)))
+    dtype = getattr(torch, args.dtype)
+
+    def progress(done, total, cell):
+        print(f"[{done}/{total}] {cell.path} / {cell.activation}: {cell.status}", file=sys.stderr)
+
+    cells = run_audit(to_run, device, dtype, progress=progress)
+    print(
+        f"activation audit: device={device} dtype={args.dtype} torch={torch.__version__}",
+        file=report,
+    )
+    print(format_table(cells, list(to_run)), file=report)
     for c in cells:
         if c.status in ("refuses", "MISMATCH") and c.detail:
-            print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}")
+            print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}", file=report)
     unavailable = {}  # reason -> paths, in table order
     for c in cells:
         if c.status == "unavailable":
             unavailable.setdefault(c.detail, {})[c.path] = None
     for reason, paths in unavailable.items():
-        print(f"- {', '.join(paths)}: unavailable: {reason}")
+        print(f"- {', '.join(paths)}: unavailable: {reason}", file=report)
     if args.json:
         payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1)
-        if args.json == "-":
+        if json_file is None:
             print(payload)
         else:
-            with open(args.json, "w") as fh:
-                fh.write(payload)
+            with json_file:
+                json_file.write(payload)
     mismatches = [c for c in cells if c.status == "MISMATCH"]
     return 1 if mismatches else 0
 

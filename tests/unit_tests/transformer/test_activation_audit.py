@@ -82,6 +82,59 @@ def test_cli_rejects_invalid_configuration():
     assert audit.FUNCTIONS["silu"] is F.silu
 
 
+def _no_audit(monkeypatch):
+    """Makes running the audit an error: usage errors must be caught before it starts."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the audit ran despite a usage error")
+
+    monkeypatch.setattr(audit, "run_audit", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gated-linear-unit"], "--gated-linear-unit describe one activation"),
+        (["--glu-linear-offset", "1"], "need --activation-func"),
+        (["--device", "bogus"], "--device 'bogus' is not a device"),
+        (["--device", "meta"], "the audit runs on cpu or cuda"),
+        (["--json", "/nonexistent-dir/audit.json"], "--json /nonexistent-dir/audit.json: cannot"),
+    ],
+)
+def test_cli_usage_errors_exit_2_before_running(argv, message, monkeypatch, capsys):
+    _no_audit(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        audit.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_cuda_device_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
+    _no_audit(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        audit.main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "has no usable CUDA GPU" in capsys.readouterr().err
+
+
+def test_cli_json_to_stdout_keeps_stdout_parseable(monkeypatch, capsys):
+    import json
+
+    def fake_run(to_run, device, dtype, paths=None, progress=None):
+        cells = [audit.Cell("MLP (unfused)", name, "match", max_rel_error=0.0) for name in to_run]
+        for i, cell in enumerate(cells):
+            progress(i + 1, len(cells), cell)
+        return cells
+
+    monkeypatch.setattr(audit, "run_audit", fake_run)
+    assert audit.main(["--device", "cpu", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    cells = json.loads(captured.out)  # nothing but the JSON
+    assert {c["activation"] for c in cells} == set(audit.BUILT_IN)
+    assert "| path |" in captured.err and f"[{len(cells)}/{len(cells)}]" in captured.err
+
+
 # The TE paths, on CPU: fake TE ops computing te-ops.md's formulas and TE-free linears.
 # Checks the audit's parent comparison end to end.
 TE_DENSE = ("TEFusedMLP", "TEFusedMLPWithGroupedLinear")
