@@ -26,7 +26,8 @@ from mcore_activations.activation_spec import (
 from mcore_activations.te_import import te_module
 from mcore_activations.versions import get_te_version, is_te_min_version
 
-_INSTALL_HINT = "pip install 'transformer-engine[pytorch]'"
+# The one install hint every message about a missing TE gives (the TE error, the audit).
+TE_INSTALL_HINT = "pip install 'transformer-engine[pytorch]'"
 
 
 # --------------------------------------------------------------------------------- TE import
@@ -52,7 +53,7 @@ class _TEPlaceholder:
     def __call__(self, *args, **kwargs):
         raise ImportError(
             f"{self._qualname} needs Transformer Engine, which cannot be imported here (not "
-            f"installed, or unusable with this torch build). Install it with: {_INSTALL_HINT}"
+            f"installed, or unusable with this torch build). Install it with: {TE_INSTALL_HINT}"
         )
 
     def __repr__(self) -> str:
@@ -74,7 +75,7 @@ def _require_te(what: str, min_version: Optional[str] = None) -> None:
     if not HAVE_TE:
         raise ImportError(
             f"{what} requires Transformer Engine, which cannot be imported here (not installed, "
-            f"or unusable with this torch build). Install it with: {_INSTALL_HINT}"
+            f"or unusable with this torch build). Install it with: {TE_INSTALL_HINT}"
         )
     if min_version is not None and not is_te_min_version(min_version):
         raise RuntimeError(
@@ -415,7 +416,7 @@ def _check_te_provides(
             spec,
             f"it lowers to te.pytorch.ops.{op_name}, but Transformer Engine cannot be imported "
             "here",
-            _or_unfused(f"Install it with: {_INSTALL_HINT}"),
+            _or_unfused(f"Install it with: {TE_INSTALL_HINT}"),
         )
     if not is_te_min_version(min_version):
         raise TEVersionError(

@@ -32,12 +32,12 @@ import torch
 
 from mcore_activations.activation_spec import ActivationSpec
 from mcore_activations.te_lowering import (  # noqa: F401 - upstream names re-exported here
-    _INSTALL_HINT,
     HAVE_TE,
     TE_CACHE_QUANTIZED_INPUT_MIN_VERSION,
     TE_CLAMPED_GLU_MIN_VERSION,
     TE_GLU_INTERLEAVE_MIN_VERSION,
     TE_GROUPED_OPS_MIN_VERSION,
+    TE_INSTALL_HINT,
     TE_OPS_MIN_VERSION,
     TE_SILU_MIN_VERSION,
     TE_SITU_GLU_MIN_VERSION,

@@ -527,10 +527,11 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None
     ``progress``, if given, is called with ``(done, total, cell)`` after each cell.
     """
     from mcore_activations.te_import import have_te
+    from mcore_activations.te_lowering import TE_INSTALL_HINT
 
     _init_single_process_world(device)
     if not have_te():
-        no_te = "Transformer Engine is not importable (pip install 'megatron-core[te]')"
+        no_te = f"Transformer Engine is not importable ({TE_INSTALL_HINT})"
     elif device.type != "cuda":
         no_te = "Transformer Engine runs on CUDA only (--device cuda)"
     else:
