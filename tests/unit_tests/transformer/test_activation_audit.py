@@ -51,6 +51,32 @@ def test_audit_detects_a_wrong_activation(monkeypatch):
     assert cell.status == "MISMATCH" and cell.max_rel_error > 0.1
 
 
+CLAMPED = ("DeepSeek-V4 clamped SwiGLU", "gpt-oss quick-GEGLU")
+
+
+def test_bf16_audit_compares_at_the_layers_precision():
+    """In bf16 the reference applies the activation to the pre-activations rounded as the layer
+    rounds them: a correct bf16 layer matches (it reported 9-42 % errors on the clamped
+    gradients against the unrounded reference)."""
+    paths = [p for p in CPU_PATHS if p.name in ("MLP (unfused)", "SequentialMLP")]
+    to_run = {name: audit.BUILT_IN[name] for name in CLAMPED}
+    cells = audit.run_audit(to_run, torch.device("cpu"), torch.bfloat16, paths=paths)
+    assert [c.status for c in cells] == ["match"] * len(cells), cells
+
+
+def test_bf16_audit_still_detects_a_wrong_activation():
+    path = CPU_PATHS[0]
+    plain = ActivationSpec(ActivationKind.SILU, gated=True)
+
+    def wrong_reference(params, x, module, probs, tpe):
+        return audit._mlp_reference(params, x, plain, module.config, dtype=torch.bfloat16)
+
+    wrong = audit.Path(path.name, path.build, path.run, wrong_reference)
+    kwargs = audit.BUILT_IN["DeepSeek-V4 clamped SwiGLU"]
+    cell = audit.audit_cell(wrong, "clamped", kwargs, torch.device("cpu"), torch.bfloat16)
+    assert cell.status == "MISMATCH" and cell.max_rel_error > 0.1
+
+
 def test_cli_single_activation_and_json(tmp_path, capsys):
     out = tmp_path / "audit.json"
     status = audit.main(
@@ -133,6 +159,7 @@ def test_cli_json_to_stdout_keeps_stdout_parseable(monkeypatch, capsys):
     cells = json.loads(captured.out)  # nothing but the JSON
     assert {c["activation"] for c in cells} == set(audit.BUILT_IN)
     assert "| path |" in captured.err and f"[{len(cells)}/{len(cells)}]" in captured.err
+    assert "Each cell: forward and backward" in captured.err  # the legend
 
 
 # The TE paths, on CPU: fake TE ops computing te-ops.md's formulas and TE-free linears.
