@@ -276,6 +276,8 @@ def _attach_mlp_activation(layer) -> None:
                 "Use TEFusedMLP (use_grouped_gemm_for_dense_mlp=False), which lowers every "
                 "activation Transformer Engine can compute.",
             )
+    # Every activation field is read once, here, as in the fork (docs/activations.md).
+    layer._mcore_fp8_input_store = bool(layer.config.activation_func_fp8_input_store)
     if _is_instance(layer, "TEFusedMLP"):
         from mcore_activations.te_lowering import plan_te_activation
 
@@ -307,7 +309,7 @@ def _mlp_activate(layer, x, bias, per_token_scale):
         spec=layer.activation_spec,
         path=layer.activation_path,
         activation_func=layer.activation_func,
-        fp8_input_store=layer.config.activation_func_fp8_input_store,
+        fp8_input_store=layer._mcore_fp8_input_store,
         cpu_offload_input=_offload_flag(layer.config),
     )
 

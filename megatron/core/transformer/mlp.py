@@ -148,6 +148,9 @@ class MLP(MegatronModule):
             self.activation_func = build_module(submodules.activation_func, config=config)
         else:
             self.activation_func = config.activation_func
+        # Every activation field is read once, here: a config edited after the layer is built
+        # changes nothing about what the layer computes or saves (docs/activations.md).
+        self._activation_fp8_input_store = bool(config.activation_func_fp8_input_store)
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
@@ -214,7 +217,7 @@ class MLP(MegatronModule):
             spec=self.activation_spec,
             path=self.activation_path,
             activation_func=self.activation_func,
-            fp8_input_store=self.config.activation_func_fp8_input_store,
+            fp8_input_store=self._activation_fp8_input_store,
             cpu_offload_input=self._offload_activation_input(),
         )
 

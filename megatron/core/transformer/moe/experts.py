@@ -359,6 +359,8 @@ class TEGroupedMLP(MegatronModule):
             self.activation_func = build_module(submodules.activation_func, config=config)
         else:
             self.activation_func = config.activation_func
+        # Every activation field is read once, here (docs/activations.md).
+        self._activation_fp8_input_store = bool(config.activation_func_fp8_input_store)
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
@@ -449,7 +451,7 @@ class TEGroupedMLP(MegatronModule):
             spec=self.activation_spec,
             path=self.activation_path,
             activation_func=func,
-            fp8_input_store=self.config.activation_func_fp8_input_store,
+            fp8_input_store=self._activation_fp8_input_store,
         )
 
     # ------------------------------------------------------------ Transformer Engine ops
