@@ -108,6 +108,15 @@ class MLP(MegatronModule):
                 stacklevel=2,
             )
             ffn_hidden_size = config.ffn_hidden_size
+        if ffn_hidden_size != config.ffn_hidden_size:
+            # fc2's input width comes from the config (as upstream's does), so fc1 and fc2 would
+            # disagree and the first forward would fail inside the fc2 GEMM.
+            raise ValueError(
+                f"{type(self).__name__}(ffn_hidden_size={ffn_hidden_size}) disagrees with "
+                f"config.ffn_hidden_size={config.ffn_hidden_size}: fc2 is built from the config. "
+                "Pass a config whose ffn_hidden_size is the layer's width (SequentialMLP and "
+                "SharedExpertMLP build such a copy), or omit ffn_hidden_size."
+            )
 
         # A gated fc1 holds [gate; linear]. stride=2 makes each tensor-parallel rank keep a slice
         # of both halves, so the local output is [gate shard; linear shard] and splits locally.

@@ -234,12 +234,18 @@ def test_gated_fc1_is_split_with_stride_two(pg):
     assert ungated.linear_fc1.weight.partition_stride == 1
 
 
-def test_fc2_input_width_comes_from_config(pg):
-    # Upstream quirk: fc2's input width is config.ffn_hidden_size, not the argument.
+def test_ffn_hidden_size_that_disagrees_with_the_config_is_refused_at_build(pg):
+    # fc2's input width is config.ffn_hidden_size (upstream's quirk), so an argument that
+    # differs builds a layer whose first forward fails inside fc2; upstream accepts it.
     config = make_config("gelu", torch.float32, UNFUSED, ffn_hidden_size=40)
-    mlp = build_mlp(config, pg, ffn_hidden_size=16)
-    assert mlp.linear_fc1.weight.shape == (16, 24)
-    assert mlp.linear_fc2.weight.shape == (24, 40)
+    with pytest.raises(
+        ValueError,
+        match=r"MLP\(ffn_hidden_size=16\) disagrees with "
+        r"config.ffn_hidden_size=40: fc2 is built from the config",
+    ):
+        build_mlp(config, pg, ffn_hidden_size=16)
+    mlp = build_mlp(config, pg, ffn_hidden_size=40)
+    assert mlp.linear_fc1.weight.shape == (40, 24) and mlp.linear_fc2.weight.shape == (24, 40)
 
 
 def test_ffn_hidden_size_defaults(pg):
