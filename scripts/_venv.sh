@@ -19,9 +19,13 @@ fi
 PY="$VENV/bin/python"
 STAMP="$VENV/.megatron-installed"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
+  # pip runs quietly; say what is happening, since the first install takes a few minutes.
+  echo "[setup] installing the project and its test tools into $VENV (first run: a few minutes)" >&2
   if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "[setup] installing $TORCH_SPEC" >&2
     "$PY" -m pip install -q "$TORCH_SPEC"
   fi
   "$PY" -m pip install -q -e "$ROOT[test,dev]"
   touch "$STAMP"
+  echo "[setup] done" >&2
 fi

@@ -27,6 +27,7 @@ if [ -z "${PYTHON312:-}" ]; then
 fi
 UPY="$UVENV/bin/python"
 if [ ! -f "$UVENV/.upstream-installed" ]; then
+  echo "[setup] building $UVENV: $UTORCH_SPEC and $MCORE_SPEC (first run: a few minutes)" >&2
   rm -rf "$UVENV"
   "$PYTHON312" -m venv "$UVENV"
   "$UPY" -m pip install -q "$UTORCH_SPEC" numpy packaging "pytest>=8" setuptools wheel

@@ -648,6 +648,62 @@ _ACTIVATION_OPTIONS = (
 )
 
 
+# What a --config file may set: the activation fields, and the options that change what the
+# activation path sees (fc1's bias, the saved-input precision, the experts' GLU layout).
+CONFIG_FILE_FIELDS = (
+    "activation_func",
+    *_ACTIVATION_OPTIONS,
+    "activation_func_fp8_input_store",
+    "add_bias_linear",
+    "moe_mlp_glu_interleave_size",
+)
+
+
+def load_config_file(path: str) -> dict:
+    """``{column name: TransformerConfig kwargs}`` from a JSON file of one object or a list.
+
+    Each object sets ``activation_func`` (one of :data:`FUNCTIONS`) and any of
+    :data:`CONFIG_FILE_FIELDS`, plus an optional ``"name"`` for its column, e.g.
+    ``{"name": "my-moe", "activation_func": "silu", "gated_linear_unit": true,
+    "activation_func_clamp_value": 7}``.
+
+    Raises:
+        ValueError: unreadable JSON, an unknown field or function, or a configuration that
+            ``TransformerConfig`` / ``ActivationSpec`` refuses; the message says which.
+    """
+    try:
+        with open(path) as fh:
+            entries = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {path}: {err}") from err
+    entries = entries if isinstance(entries, list) else [entries]
+    to_run = {}
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{path}: entry {i} is not a JSON object")
+        entry = dict(entry)
+        name = entry.pop("name", None)
+        unknown = sorted(set(entry) - set(CONFIG_FILE_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{path}: entry {i} sets {', '.join(unknown)}; the audit takes "
+                f"{', '.join(CONFIG_FILE_FIELDS)}"
+            )
+        func = entry.get("activation_func")
+        if func not in FUNCTIONS:
+            raise ValueError(
+                f"{path}: entry {i} needs activation_func, one of {', '.join(sorted(FUNCTIONS))}; "
+                f"got {func!r}"
+            )
+        kwargs = {**entry, "activation_func": FUNCTIONS[func]}
+        try:
+            spec = ActivationSpec.from_config(_config(kwargs))
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: entry {i} is not a valid configuration: {err}") from err
+        to_run[name or spec.name] = kwargs
+    return to_run
+
+
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -659,12 +715,28 @@ def main(argv=None) -> int:
     parser.add_argument("--activation-func-tanh-clamp-scale", type=float)
     parser.add_argument("--activation-func-tanh-clamp-scale-linear", type=float)
     parser.add_argument("--glu-linear-offset", type=float)
+    parser.add_argument(
+        "--config",
+        help="audit the configurations in this JSON file (one object or a list; see "
+        "load_config_file) instead of the built-in set",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--json", help="also write the cells as JSON to this file ('-': stdout)")
     args = parser.parse_args(argv)
 
-    if args.activation_func is None:
+    if args.config is not None:
+        given = [f"--{f.replace('_', '-')}" for f in _ACTIVATION_OPTIONS if getattr(args, f)]
+        if args.activation_func is not None or given:
+            parser.error(
+                "--config names what to audit; put the activation options in the file instead "
+                f"of {', '.join(given) or '--activation-func'}."
+            )
+        try:
+            to_run = load_config_file(args.config)
+        except ValueError as err:
+            parser.error(f"--config {err}")
+    elif args.activation_func is None:
         given = [f"--{f.replace('_', '-')}" for f in _ACTIVATION_OPTIONS if getattr(args, f)]
         if given:
             parser.error(

@@ -162,6 +162,53 @@ def test_cli_json_to_stdout_keeps_stdout_parseable(monkeypatch, capsys):
     assert "Each cell: forward and backward" in captured.err  # the legend
 
 
+def test_cli_audits_the_configurations_of_a_file(tmp_path, monkeypatch, capsys):
+    import json
+
+    seen = {}
+
+    def fake_run(to_run, device, dtype, paths=None, progress=None):
+        seen.update(to_run)
+        return [audit.Cell("MLP (unfused)", name, "match", max_rel_error=0.0) for name in to_run]
+
+    monkeypatch.setattr(audit, "run_audit", fake_run)
+    path = tmp_path / "model.json"
+    entries = [
+        {
+            "name": "my-moe",
+            "activation_func": "silu",
+            "gated_linear_unit": True,
+            "activation_func_clamp_value": 7,
+            "add_bias_linear": True,
+        },
+        {"activation_func": "squared_relu", "activation_func_tanh_clamp_scale": 10.0},
+    ]
+    path.write_text(json.dumps(entries))
+    assert audit.main(["--config", str(path), "--device", "cpu"]) == 0
+    assert list(seen) == ["my-moe", "squared-ReLU(tanh_scale=10)"]
+    assert seen["my-moe"]["activation_func"] is F.silu and seen["my-moe"]["add_bias_linear"]
+    assert "| path | my-moe | squared-ReLU(tanh_scale=10) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("{", "cannot read"),
+        ('{"activation_func": "swish"}', "needs activation_func, one of"),
+        ('{"activation_func": "silu", "hidden_size": 8}', "entry 0 sets hidden_size"),
+        ('{"activation_func": "silu", "activation_func_clamp_value": -1}', "not a valid config"),
+    ],
+)
+def test_cli_config_file_errors_exit_2(tmp_path, monkeypatch, capsys, content, message):
+    _no_audit(monkeypatch)
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        audit.main(["--config", str(path), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 # The TE paths, on CPU: fake TE ops computing te-ops.md's formulas and TE-free linears.
 # Checks the audit's parent comparison end to end.
 TE_DENSE = ("TEFusedMLP", "TEFusedMLPWithGroupedLinear")
