@@ -717,8 +717,10 @@ def main(argv=None) -> int:
     parser.add_argument("--glu-linear-offset", type=float)
     parser.add_argument(
         "--config",
-        help="audit the configurations in this JSON file (one object or a list; see "
-        "load_config_file) instead of the built-in set",
+        help="audit the configurations in this JSON file instead of the built-in set: one object "
+        "or a list, each with an optional 'name' and any of: "
+        f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: "
+        f"{', '.join(sorted(FUNCTIONS))})",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
