@@ -92,7 +92,8 @@ class ActivationKind(str, enum.Enum):
     CUSTOM = "custom"  # any other callable: only the unfused eager path can run it
 
 
-QUICK_GELU_ALPHA = 1.702
+# Re-exported: the approximations' constants are named once, beside the callables.
+from mcore_activations.activations import GELU_TANH_COEF, QUICK_GELU_ALPHA  # noqa: E402, F401
 
 _GATED_NAMES = {
     ActivationKind.SILU: "SwiGLU",

@@ -15,8 +15,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mcore_activations.fusions.activation_kernels import params_tensor
+from mcore_activations.fusions.kernel_params import params_tensor
 from mcore_activations.jit import jit_fuser
+
+# The constants of the approximations below, named once for the whole package.
+QUICK_GELU_ALPHA = 1.702  # quick_gelu: x * sigmoid(1.702 x)
+GELU_TANH_COEF = 0.044715  # fast_gelu: the cubic term inside tanh
+SQRT_2_OVER_PI = 0.7978845608028654  # fast_gelu: sqrt(2 / pi)
 
 
 @jit_fuser
@@ -28,13 +33,13 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
 @jit_fuser
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(1.702 x)``."""
-    return x * torch.sigmoid(1.702 * x)
+    return x * torch.sigmoid(QUICK_GELU_ALPHA * x)
 
 
 @jit_fuser
 def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     """GELU, tanh approximation: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
-    return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + GELU_TANH_COEF * x * x * x)))
 
 
 @jit_fuser

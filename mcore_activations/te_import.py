@@ -13,6 +13,14 @@ import warnings
 from types import ModuleType
 from typing import Optional
 
+# The first TE release with each feature this package uses (docs/te-paths.md).
+TE_OPS_MIN_VERSION = "1.13.0"  # te.pytorch.ops activations
+TE_CACHE_QUANTIZED_INPUT_MIN_VERSION = "2.3.0"  # cache_quantized_input= on the activation ops
+TE_SILU_MIN_VERSION = "2.8.0"  # te.pytorch.ops.SiLU
+TE_GROUPED_OPS_MIN_VERSION = "2.14.0"  # the row-scaled (Scaled*) ops of the grouped MLPs
+TE_CLAMPED_GLU_MIN_VERSION = "2.17.0.dev0"  # ClampedSwiGLU / ScaledClampedQGeGLU
+TE_SITU_GLU_MIN_VERSION = "2.20.0"  # SiTUGLU / ScaledSiTUGLU
+
 
 @functools.cache
 def te_module() -> Optional[ModuleType]:

@@ -18,12 +18,21 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from mcore_activations.activation_spec import (
+    QUICK_GELU_ALPHA,
     ActivationKind,
     ActivationSpec,
     UnsupportedActivationError,
     activation_kind_of,
 )
-from mcore_activations.te_import import te_module
+from mcore_activations.te_import import (  # re-exported under their upstream-era names
+    TE_CACHE_QUANTIZED_INPUT_MIN_VERSION,
+    TE_CLAMPED_GLU_MIN_VERSION,
+    TE_GROUPED_OPS_MIN_VERSION,
+    TE_OPS_MIN_VERSION,
+    TE_SILU_MIN_VERSION,
+    TE_SITU_GLU_MIN_VERSION,
+    te_module,
+)
 from mcore_activations.versions import get_te_version, is_te_min_version
 
 # The one install hint every message about a missing TE gives (the TE error, the audit).
@@ -93,16 +102,6 @@ class TEVersionError(UnsupportedActivationError, RuntimeError):
     It is an :class:`UnsupportedActivationError` (hence a ``ValueError``) like every other
     refusal, and also a ``RuntimeError``, which is what upstream raises for a too-old TE.
     """
-
-
-# Minimum TE versions (docs/te-paths.md). Ops whose first version is not pinned down (QGELU,
-# SReLU, ScaledTanhSReLU, ...) also pass a presence check: a build without the op is refused.
-TE_OPS_MIN_VERSION = "1.13.0"
-TE_CACHE_QUANTIZED_INPUT_MIN_VERSION = "2.3.0"
-TE_SILU_MIN_VERSION = "2.8.0"
-TE_GROUPED_OPS_MIN_VERSION = "2.14.0"
-TE_CLAMPED_GLU_MIN_VERSION = "2.17.0.dev0"
-TE_SITU_GLU_MIN_VERSION = "2.20.0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +251,7 @@ def _select_te_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, d
         # Without a configured clamp the limit is +inf, never TE's default of 7.
         clamped = dict(
             limit=clamp if clamp is not None else math.inf,
-            alpha=1.0 if kind == ActivationKind.SILU else 1.702,
+            alpha=1.0 if kind == ActivationKind.SILU else QUICK_GELU_ALPHA,
             glu_linear_offset=offset,
         )
         return ("ScaledClampedQGeGLU" if scaled else "ClampedSwiGLU"), clamped

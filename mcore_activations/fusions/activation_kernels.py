@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from mcore_activations.activation_spec import (
+    GELU_TANH_COEF,
     QUICK_GELU_ALPHA,
     ActivationKind,
     ActivationSpec,
@@ -37,13 +38,19 @@ from mcore_activations.activation_spec import (
     interleave_glu,
 )
 
-# Layout of the ``params`` tensor.
-CLAMP, GATE_SCALE, LINEAR_SCALE, OFFSET = range(4)
-
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_GELU_TANH_COEF = 0.044715
+
+# The compile boundary lives in its own leaf module; its names are re-exported here.
+from mcore_activations.fusions.kernel_params import (  # noqa: E402, F401
+    CLAMP,
+    GATE_SCALE,
+    LINEAR_SCALE,
+    OFFSET,
+    params_tensor,
+    spec_params,
+)
 
 
 class KernelVariant(NamedTuple):
@@ -90,58 +97,6 @@ class KernelVariant(NamedTuple):
         return "_".join(f for f in flags if f)
 
 
-def spec_params(spec: ActivationSpec) -> tuple[float, float, float, float]:
-    """The runtime numbers of ``spec`` in ``params`` order (unused slots hold 1.0 / 0.0)."""
-    return (
-        spec.clamp_value if spec.clamp_value is not None else math.inf,
-        spec.gate_tanh_scale if spec.gate_tanh_scale is not None else 1.0,
-        spec.linear_tanh_scale if spec.linear_tanh_scale is not None else 1.0,
-        spec.linear_offset,
-    )
-
-
-_PARAMS_CACHE: dict[tuple, torch.Tensor] = {}
-_PARAMS_CACHE_SIZE = 256
-
-
-def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """A float32 tensor holding ``values`` on ``device``, cached per (values, device).
-
-    Caching avoids a host-to-device copy per call, which also keeps the kernels capturable in a
-    CUDA graph once a value has been seen. The tensor is created outside any compile
-    (``torch.compiler.disable``), so an enclosing ``torch.compile`` receives it as a graph input
-    and never traces the Python floats.
-
-    Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
-    mode and never cached: a fake tensor left in the cache would break every later real call.
-    """
-    if not torch.compiler.is_compiling():
-        # The per-call path: a dict lookup, without the cost of entering a disabled region.
-        tensor = _PARAMS_CACHE.get((values, device))
-        if tensor is not None and not _tracing_with_fake_tensors():
-            return tensor
-    return _make_params_tensor(values, device)
-
-
-@torch.compiler.disable
-def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    key = (values, device)
-    tensor = _PARAMS_CACHE.get(key)
-    if tensor is not None and not _tracing_with_fake_tensors():
-        return tensor
-    with torch.inference_mode(False), torch.no_grad():
-        tensor = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
-    if not _tracing_with_fake_tensors():
-        if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
-            _PARAMS_CACHE.pop(next(iter(_PARAMS_CACHE)))  # the oldest entry
-        _PARAMS_CACHE[key] = tensor
-    return tensor
-
-
-def _tracing_with_fake_tensors() -> bool:
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-
-
 # ----------------------------------------------------------------------------- elementwise math
 def _base_and_grad(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``act(x)`` and ``act'(x)`` in float32."""
@@ -156,9 +111,9 @@ def _base_and_grad(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         pdf = torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
         return x * cdf, cdf + x * pdf
     if kind == "gelu_tanh":
-        inner = _SQRT_2_OVER_PI * (x + _GELU_TANH_COEF * x * x * x)
+        inner = _SQRT_2_OVER_PI * (x + GELU_TANH_COEF * x * x * x)
         t = torch.tanh(inner)
-        d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_TANH_COEF * x * x)
+        d_inner = _SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_COEF * x * x)
         return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
     if kind == "relu":
         pos = (x > 0).to(x.dtype)

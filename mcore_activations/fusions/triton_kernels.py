@@ -38,13 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore_activations.activation_spec import QUICK_GELU_ALPHA
+from mcore_activations.activation_spec import GELU_TANH_COEF, QUICK_GELU_ALPHA
 
 _QUICK_GELU_ALPHA = tl.constexpr(QUICK_GELU_ALPHA)
 _SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
 _INV_SQRT_2 = tl.constexpr(1.0 / math.sqrt(2.0))
 _INV_SQRT_2PI = tl.constexpr(1.0 / math.sqrt(2.0 * math.pi))
-_GELU_TANH_COEF = tl.constexpr(0.044715)
+_GELU_TANH_COEF = tl.constexpr(GELU_TANH_COEF)
 # (Constants multiply from the right: the Triton 3.7 interpreter mis-types constexpr * tensor.)
 
 

@@ -20,6 +20,7 @@ from mcore_activations.activation_spec import (
     as_float32,
     is_positive_finite_float32,
 )
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from megatron.core.model_parallel_config import ModelParallelConfig
 
 
@@ -337,7 +338,7 @@ class TransformerConfig(ModelParallelConfig):
                     "moe_single_grouped_weight / moe_single_grouped_bias require "
                     "moe_grouped_gemm=True."
                 )
-            if not is_te_min_version("2.14.0"):
+            if not is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
                 raise ValueError(
                     "moe_single_grouped_weight / moe_single_grouped_bias require "
                     "Transformer Engine >= 2.14.0."

@@ -37,7 +37,7 @@ from mcore_activations.activation_spec import (
     ActivationKind,
     ActivationSpec,
 )
-from mcore_activations.te_import import te_module
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION, te_module
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name
 from megatron.core.transformer.module import MegatronModule
@@ -467,7 +467,7 @@ class TEGroupedMLP(MegatronModule):
         ops = getattr(te.pytorch, "ops", None)
         if ops is None or not hasattr(ops, "GroupedLinear"):
             return "this Transformer Engine has no te.pytorch.ops.GroupedLinear"
-        if not is_te_min_version("2.14.0"):
+        if not is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
             return "the grouped MLP ops need Transformer Engine >= 2.14.0"
         if get_pg_size(self.tp_group) > 1:
             return "expert tensor parallelism is not supported"

@@ -27,7 +27,7 @@ from mcore_activations.activation_spec import (
     deinterleave_glu,
     interleave_glu,
 )
-from mcore_activations.te_import import te_module
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION, te_module
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -382,7 +382,7 @@ class FusedSharedExpertMLP(SharedExpertMLP):
             raise RuntimeError(
                 f"{name} requires Transformer Engine when use_grouped_gemm_for_shared_expert=True."
             )
-        if not is_te_min_version("2.14.0"):
+        if not is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
             raise RuntimeError(
                 f"{name} requires Transformer Engine >= 2.14.0 (te.pytorch.ops.GroupedLinear and "
                 "the scaled GLU ops)."

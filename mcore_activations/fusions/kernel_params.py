@@ -1,0 +1,69 @@
+"""The compile boundary: an activation's runtime numbers as one float32 tensor on the device.
+
+Every runtime number of an activation - clamp ``c``, tanh scales ``s_g`` / ``s_l``, linear offset -
+reaches compiled code (Inductor graphs, Triton kernels) inside one float32 tensor, ``params``,
+never as a Python float (design principle 2, docs/compile-safety.md). This module is the only
+place that turns the numbers into that tensor. It imports nothing of the package, so every
+layer above it - the upstream callables, the kernels, the entry points - can use it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Layout of the ``params`` tensor.
+CLAMP, GATE_SCALE, LINEAR_SCALE, OFFSET = range(4)
+
+
+def spec_params(spec) -> tuple[float, float, float, float]:
+    """The runtime numbers of ``spec`` in ``params`` order (unused slots hold 1.0 / 0.0)."""
+    return (
+        spec.clamp_value if spec.clamp_value is not None else math.inf,
+        spec.gate_tanh_scale if spec.gate_tanh_scale is not None else 1.0,
+        spec.linear_tanh_scale if spec.linear_tanh_scale is not None else 1.0,
+        spec.linear_offset,
+    )
+
+
+_PARAMS_CACHE: dict[tuple, torch.Tensor] = {}
+_PARAMS_CACHE_SIZE = 256
+
+
+def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A float32 tensor holding ``values`` on ``device``, cached per (values, device).
+
+    Caching avoids a host-to-device copy per call, which also keeps the kernels capturable in a
+    CUDA graph once a value has been seen. The tensor is created outside any compile
+    (``torch.compiler.disable``), so an enclosing ``torch.compile`` receives it as a graph input
+    and never traces the Python floats.
+
+    Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
+    mode and never cached: a fake tensor left in the cache would break every later real call.
+    """
+    if not torch.compiler.is_compiling():
+        # The per-call path: a dict lookup, without the cost of entering a disabled region.
+        tensor = _PARAMS_CACHE.get((values, device))
+        if tensor is not None and not _tracing_with_fake_tensors():
+            return tensor
+    return _make_params_tensor(values, device)
+
+
+@torch.compiler.disable
+def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    key = (values, device)
+    tensor = _PARAMS_CACHE.get(key)
+    if tensor is not None and not _tracing_with_fake_tensors():
+        return tensor
+    with torch.inference_mode(False), torch.no_grad():
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+    if not _tracing_with_fake_tensors():
+        if len(_PARAMS_CACHE) >= _PARAMS_CACHE_SIZE:
+            _PARAMS_CACHE.pop(next(iter(_PARAMS_CACHE)))  # the oldest entry
+        _PARAMS_CACHE[key] = tensor
+    return tensor
+
+
+def _tracing_with_fake_tensors() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
