@@ -39,8 +39,9 @@ _ProcessGroup = Optional[torch.distributed.ProcessGroup]
 class ProcessGroupCollection:
     """The process groups a module communicates over.
 
-    Only the groups given exist as attributes: reading one that was not set raises
-    ``AttributeError``, so ``hasattr(pg_collection, "tp")`` tells whether a group was provided.
+    A declared group that was not given reads as None (as upstream's); ``"tp" in
+    vars(pg_collection)`` tells whether it was given. Reading a name that is not a declared group
+    raises ``AttributeError``.
     Modules take ``tp_group`` / ``pg_collection`` arguments so that several models with
     different layouts can live in one process; ``use_mpu_process_groups`` fills a collection
     from the global ``parallel_state`` for the common single-model case.
@@ -99,9 +100,24 @@ class ProcessGroupCollection:
         for name, group in groups.items():
             setattr(self, name, group)
 
+    def __getattr__(self, name: str):
+        # Only called for names not set on the instance: a declared group left unset is None.
+        if name in {f.name for f in fields(type(self))}:
+            return None
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     def __repr__(self) -> str:
-        present = [f.name for f in fields(self) if f.name in self.__dict__]
-        return f"{type(self).__name__}({', '.join(present)})"
+        """The groups that are set, each with its size, e.g. ``ProcessGroupCollection(tp(2))``."""
+        shown = []
+        for f in fields(self):
+            group = self.__dict__.get(f.name)
+            if group is None:
+                continue
+            if isinstance(group, list):
+                shown.append(f"{f.name}({[g.size() for g in group]})")
+            else:
+                shown.append(f"{f.name}({group.size()})")
+        return f"{type(self).__name__}({', '.join(shown) if shown else 'empty'})"
 
     @classmethod
     def use_mpu_process_groups(cls, required_pgs: Optional[list[str]] = None):

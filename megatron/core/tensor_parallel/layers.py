@@ -181,7 +181,7 @@ def _partition_size(layer: str, dimension: str, size: int, tp_size: int, stride:
 def _resolve_tp_group(tp_group, pg_collection, is_expert: bool, layer: str):
     if tp_group is None and pg_collection is not None:
         attribute = "expt_tp" if is_expert else "tp"
-        if not hasattr(pg_collection, attribute):
+        if getattr(pg_collection, attribute) is None:
             raise ValueError(
                 f"{layer}(is_expert={is_expert}) needs pg_collection.{attribute}, which the given "
                 f"ProcessGroupCollection lacks; add it or pass tp_group= instead."

@@ -269,7 +269,7 @@ class MLP(MegatronModule):
             ValueError: ``pg_collection`` lacks the ``tp`` group.
         """
         del is_mtp_layer
-        if pg_collection is None or not hasattr(pg_collection, "tp"):
+        if pg_collection is None or pg_collection.tp is None:
             raise ValueError(
                 f"{cls.__name__}.as_mlp_submodule needs a pg_collection with a tp group."
             )

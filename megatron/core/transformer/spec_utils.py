@@ -7,6 +7,7 @@ a backend is then a change of spec, not of the layer's code.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 from collections.abc import Callable
@@ -24,11 +25,17 @@ class ModuleSpec:
         params: Keyword arguments the spec always passes to ``module``.
         submodules: Specs of the module's own parts, passed on as ``submodules=``; usually a
             dataclass such as ``MLPSubmodules``.
+        metainfo: Free-form information about the spec for tools; never passed to ``module``.
     """
 
     module: Union[tuple[str, str], str, type, Callable]
     params: dict = field(default_factory=dict)
     submodules: Any = None
+    metainfo: dict = field(default_factory=dict)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``build_module(self, *args, **kwargs)``: a spec builds what it describes."""
+        return build_module(self, *args, **kwargs)
 
 
 def import_module(module_path: Union[tuple[str, str], str]) -> Any:
@@ -50,14 +57,35 @@ def import_module(module_path: Union[tuple[str, str], str]) -> Any:
             f"module path {module_path!r} must name a module and an attribute, "
             "e.g. ('torch.nn', 'Linear') or 'torch.nn.Linear'."
         )
-    return getattr(importlib.import_module(base_path), name)
+    # ImportError in both failure cases, with upstream's phrases, which callers match on.
+    try:
+        module = importlib.import_module(base_path)
+    except ImportError as error:
+        raise ImportError(
+            f"Could not import module '{base_path}' for spec '{name}': {error}"
+        ) from error
+    try:
+        return getattr(module, name)
+    except AttributeError as error:
+        raise ImportError(f"Could not find spec '{name}' in module '{base_path}'") from error
 
 
-def get_submodules(spec_or_module: Union[ModuleSpec, type, Callable]) -> Any:
-    """Returns the submodule specs of a spec; a bare class or function has none (None)."""
-    if isinstance(spec_or_module, ModuleSpec):
-        return spec_or_module.submodules
-    return None
+def get_submodules(spec: Any) -> Any:
+    """Returns the ``submodules`` a spec carries.
+
+    Args:
+        spec: A ``ModuleSpec`` or any object with a ``submodules`` attribute, or a
+            ``functools.partial`` that binds ``submodules=``.
+
+    Raises:
+        ValueError: ``spec`` carries no submodules (e.g. a bare class).
+    """
+    if isinstance(spec, functools.partial):
+        if "submodules" in spec.keywords:
+            return spec.keywords["submodules"]
+    elif hasattr(spec, "submodules"):
+        return spec.submodules
+    raise ValueError(f"{spec!r} carries no submodules (not a ModuleSpec or partial with them).")
 
 
 def _resolve(target: Any) -> Any:

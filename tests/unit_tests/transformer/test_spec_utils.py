@@ -38,7 +38,20 @@ def test_build_module_from_spec_merges_params_submodules_and_kwargs():
     assert (block.width, block.scale, block.name) == (4, 2.0, "b")
     assert block.submodules is spec.submodules
     assert get_submodules(spec) is spec.submodules
-    assert get_submodules(_Block) is None
+    with pytest.raises(ValueError, match="carries no submodules"):
+        get_submodules(_Block)
+
+
+def test_spec_is_callable_and_submodules_come_from_partials_too():
+    import functools
+
+    spec = ModuleSpec(module=_Block, params={"scale": 2.0}, metainfo={"origin": "test"})
+    block = spec(4)  # as build_module(spec, 4)
+    assert (block.width, block.scale) == (4, 2.0) and spec.metainfo == {"origin": "test"}
+    parts = _Parts()
+    assert get_submodules(functools.partial(_Block, submodules=parts)) is parts
+    with pytest.raises(ValueError, match="carries no submodules"):
+        get_submodules(functools.partial(_Block, scale=1.0))
 
 
 def test_build_module_without_submodules_passes_none_of_them():
@@ -58,6 +71,10 @@ def test_build_module_imports_paths():
     assert import_module("torch.nn.Linear") is torch.nn.Linear
     with pytest.raises(ValueError, match="must name a module and an attribute"):
         import_module("Linear")
+    with pytest.raises(ImportError, match="Could not import module 'no_such_pkg.sub' for spec"):
+        import_module(("no_such_pkg.sub", "X"))
+    with pytest.raises(ImportError, match="Could not find spec 'NoSuchLayer' in module 'torch.nn'"):
+        build_module(ModuleSpec(module=("torch.nn", "NoSuchLayer")))
 
 
 def test_build_module_refuses_an_argument_set_twice():
