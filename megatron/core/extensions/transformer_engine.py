@@ -1,8 +1,10 @@
 """Transformer Engine backend: linear wrappers, the activation lowering and the fused MLPs.
 
 Transformer Engine (TE) is optional. When it cannot be imported this module still imports:
-``HAVE_TE`` is False, ``te`` is a placeholder, and every TE-backed class raises ``ImportError``
-naming itself and the install command when it is constructed.
+``HAVE_TE`` is False, ``te`` is a placeholder, the names upstream exports as None without TE
+(``TEFusedMLP``, ``TEGroupedLinear``, ...; see ``TE_ONLY_CLASSES``) are None, and every other
+TE-backed class raises ``ImportError`` naming itself and the install command when it is
+constructed.
 
 **One lowering.** Every TE path that computes an MLP activation (``TEFusedMLP``,
 ``TEFusedMLPWithGroupedLinear``, ``TEActivationOp``, and in ``moe/`` ``FusedSharedExpertMLP`` and
@@ -1324,3 +1326,19 @@ def _deinterleave_rows(weight: torch.Tensor, k: int) -> torch.Tensor:
     rows = weight.size(0)
     blocks = weight.reshape(rows // (2 * k), 2, k, *weight.shape[1:])
     return blocks.transpose(0, 1).reshape(weight.shape)
+
+
+# ----------------------------------------------------------------------------- exports without TE
+# Upstream exports these names as None when Transformer Engine is missing, and code guards on
+# that (``if TEFusedMLP is None: ...``). The classes stay reachable through TE_ONLY_CLASSES, which
+# is how tests running a fake TE on CPU put them back.
+TE_ONLY_CLASSES = {
+    "TEActivationOp": TEActivationOp,
+    "TEGroupedLinear": TEGroupedLinear,
+    "TEColumnParallelGroupedLinear": TEColumnParallelGroupedLinear,
+    "TERowParallelGroupedLinear": TERowParallelGroupedLinear,
+    "TEFusedMLP": TEFusedMLP,
+    "TEFusedMLPWithGroupedLinear": TEFusedMLPWithGroupedLinear,
+}
+if not HAVE_TE:
+    globals().update(dict.fromkeys(TE_ONLY_CLASSES))

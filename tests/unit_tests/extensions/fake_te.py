@@ -292,6 +292,10 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
         monkeypatch.setattr(module, "te", fake)
         monkeypatch.setattr(module, "HAVE_TE", True)
     monkeypatch.setattr(te_lowering, "is_te_min_version", is_te_min_version)
+    # Without TE the module exports its TE-only classes as None, as upstream does; with the fake
+    # they are what a TE installation would export.
+    for name, cls in te_ext.TE_ONLY_CLASSES.items():
+        monkeypatch.setattr(te_ext, name, cls)
     return fake
 
 
