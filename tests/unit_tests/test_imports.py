@@ -124,7 +124,13 @@ PUBLIC_API = {
         "get_expert_parallel_rng_tracker_name",
         "get_data_parallel_rng_tracker_name",
     ],
-    "megatron.core.tensor_parallel.utils": ["divide", "split_tensor_along_last_dim"],
+    "megatron.core.tensor_parallel.utils": [
+        "divide",
+        "split_tensor_along_last_dim",
+        "split_tensor_into_1d_equal_chunks",
+        "gather_split_1d_tensor",
+        "VocabUtility",
+    ],
     "tests.unit_tests.test_utilities": ["Utils", "TestModel", "run_distributed"],
 }
 
