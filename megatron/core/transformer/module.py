@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 
 class MegatronModule(torch.nn.Module):
@@ -29,3 +30,136 @@ class MegatronModule(torch.nn.Module):
             keep_vars: Keep tensors attached to autograd instead of detaching them.
         """
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+
+# ----------------------------------------------------------------------------- mixed precision
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def param_is_not_shared(param: torch.Tensor) -> bool:
+    """False for a parameter marked ``shared = True`` (e.g. tied embeddings), else True."""
+    return not getattr(param, "shared", False)
+
+
+def conversion_helper(val, conversion):
+    """Applies ``conversion`` to ``val``, or to each leaf of nested tuples / lists (kept as is)."""
+    if isinstance(val, tuple | list):
+        converted = [conversion_helper(v, conversion) for v in val]
+        return tuple(converted) if isinstance(val, tuple) else converted
+    return conversion(val)
+
+
+def fp32_to_float16(val, float16_convertor):
+    """Converts every float32 tensor in ``val`` (nested tuples / lists) with ``float16_convertor``;
+    other values pass through."""
+
+    def convert(v):
+        return float16_convertor(v) if _dtype_of(v) == torch.float32 else v
+
+    return conversion_helper(val, convert)
+
+
+def float16_to_fp32(val):
+    """Converts every float16 / bfloat16 tensor in ``val`` to float32; other values pass through."""
+
+    def convert(v):
+        return v.float() if _dtype_of(v) in _HALF_DTYPES else v
+
+    return conversion_helper(val, convert)
+
+
+def _dtype_of(value):
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def mark_keep_in_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    """Marks a parameter or buffer so that :class:`Float16Module` leaves it in float32."""
+    tensor.keep_in_fp32 = True
+    return tensor
+
+
+def convert_module_to_dtype_except_fp32_marked(module: torch.nn.Module, dtype: torch.dtype):
+    """Casts ``module``'s floating-point parameters and buffers to ``dtype`` in place, except
+    those marked with :func:`mark_keep_in_fp32`; returns ``module``."""
+
+    def cast(tensor):
+        if tensor.is_floating_point() and not getattr(tensor, "keep_in_fp32", False):
+            return tensor.to(dtype)
+        return tensor
+
+    return module._apply(cast)
+
+
+class Float16Module(MegatronModule):
+    """Runs ``module`` in fp16 or bf16 (``config.fp16`` / ``config.bf16``).
+
+    The first pipeline stage converts float32 inputs to the module's precision; the last stage
+    returns float32 outputs unless ``fp32_output=False``. Parameters marked with
+    :func:`mark_keep_in_fp32` stay in float32. State dicts are the wrapped module's.
+
+    Args:
+        config: Holds ``fp16`` / ``bf16`` and the virtual-pipeline size.
+        module: The module to wrap (converted in place).
+
+    Raises:
+        ValueError: Neither ``config.fp16`` nor ``config.bf16`` is set.
+    """
+
+    def __init__(self, config: ModelParallelConfig, module: torch.nn.Module):
+        super().__init__(config)
+        self.fp16, self.bf16 = config.fp16, config.bf16
+        if not (self.fp16 or self.bf16):
+            raise ValueError(
+                "Float16Module needs config.fp16 or config.bf16 set; without either, use the "
+                "module unwrapped."
+            )
+        dtype = torch.float16 if self.fp16 else torch.bfloat16
+        self.add_module("module", convert_module_to_dtype_except_fp32_marked(module, dtype))
+        self.float16_convertor = lambda t: t.to(dtype)
+        self.vp_size = config.virtual_pipeline_model_parallel_size
+        self.vp_stage = getattr(module, "vp_stage", None)
+        self.pg_collection = getattr(module, "pg_collection", None)
+
+    def _pipeline_position(self) -> tuple[bool, bool]:
+        """Whether this is the (first, last) stage of the model, virtual stages included."""
+        pp = self.pg_collection.pp if self.pg_collection is not None else None
+        if pp is None:
+            from megatron.core import parallel_state
+
+            pp = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
+        rank, size = get_pg_rank(pp), get_pg_size(pp)
+        first, last = rank == 0, rank == size - 1
+        if self.vp_size is not None and self.vp_stage is not None:
+            first = first and self.vp_stage == 0
+            last = last and self.vp_stage == self.vp_size - 1
+        return first, last
+
+    def set_input_tensor(self, input_tensor):
+        """Forwards to the wrapped module (pipeline parallelism sets stage inputs this way)."""
+        return self.module.set_input_tensor(input_tensor)
+
+    def forward(self, *inputs, fp32_output: bool = True, **kwargs):
+        """Runs the wrapped module; see the class docstring for the conversions."""
+        first, last = self._pipeline_position()
+        if first:
+            inputs = fp32_to_float16(inputs, self.float16_convertor)
+        outputs = self.module(*inputs, **kwargs)
+        if last and fp32_output:
+            outputs = float16_to_fp32(outputs)
+        return outputs
+
+    def state_dict(self, destination=None, prefix="", keep_vars=False):
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix="", keep_vars=False):
+        """The wrapped module's checkpoint state dict."""
+        return self.module.state_dict_for_save_checkpoint(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix="", *args, **kwargs):
+        """The wrapped module's sharded state dict."""
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict=True):
+        """Loads into the wrapped module."""
+        return self.module.load_state_dict(state_dict, strict=strict)
