@@ -123,6 +123,10 @@ PUBLIC_API = {
         "model_parallel_cuda_manual_seed",
         "get_expert_parallel_rng_tracker_name",
         "get_data_parallel_rng_tracker_name",
+        "checkpoint",
+        "CheckpointFunction",
+        "CheckpointWithoutOutput",
+        "convert_cuda_rng_state",
     ],
     "megatron.core.tensor_parallel.utils": [
         "divide",

@@ -280,3 +280,249 @@ def model_parallel_cuda_manual_seed(
     tracker.add(_DATA_PARALLEL_RNG_TRACKER_NAME, seed)
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME, tensor_model_parallel_seed)
     tracker.add(_EXPERT_PARALLEL_RNG_TRACKER_NAME, expert_parallel_seed)
+
+
+# ----------------------------------------------------------------------------- checkpointing
+# Activation checkpointing recomputes a block's forward during backward. The recomputation must
+# draw the same random numbers as the original forward (dropout masks), so the CPU generator,
+# the device generator and every tracker stream are captured before the forward and replayed
+# around the recomputation, then put back.
+
+
+def convert_cuda_rng_state(state, to_graphable: bool = False):
+    """Converts a device generator state between a state tensor and a ``torch.Generator``.
+
+    Args:
+        state: A state tensor (``get_rng_state()``) or a generator.
+        to_graphable: Return a generator holding the state (the form CUDA graphs register);
+            otherwise return the state tensor.
+
+    Raises:
+        ValueError: ``state`` is neither a tensor nor a generator.
+    """
+    if isinstance(state, torch.Generator):
+        return state if to_graphable else state.get_state()
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(
+            f"convert_cuda_rng_state: expected a state tensor or a generator, got "
+            f"{type(state).__name__}"
+        )
+    if not to_graphable:
+        return state
+    generator = torch.Generator(device="cuda" if _use_cuda() else "cpu")
+    generator.set_state(state)
+    return generator
+
+
+def _capture_rng() -> tuple:
+    return torch.get_rng_state(), _get_rng_state(), get_cuda_rng_tracker().get_states()
+
+
+def _restore_rng(states: tuple) -> None:
+    cpu, device, tracker = states
+    torch.set_rng_state(cpu)
+    _set_rng_state(device)
+    get_cuda_rng_tracker().set_states(tracker)
+
+
+@contextlib.contextmanager
+def _replayed_rng(states: tuple) -> Iterator[None]:
+    """Runs the block with the generators as they were at ``states``, then puts them back."""
+    current = _capture_rng()
+    _restore_rng(states)
+    try:
+        yield
+    finally:
+        _restore_rng(current)
+
+
+def _detached_inputs(inputs) -> tuple:
+    detached = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            leaf = value.detach()
+            leaf.requires_grad_(value.requires_grad)
+            detached.append(leaf)
+        else:
+            detached.append(value)
+    return tuple(detached)
+
+
+def _save_inputs(ctx, args) -> None:
+    """Saves the tensor arguments for backward and keeps the others as they are."""
+    ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
+    ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+
+
+def _saved_inputs(ctx) -> list:
+    args = list(ctx.other_args)
+    for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
+        args[position] = tensor
+    return args
+
+
+def _backward_through(outputs, grads) -> None:
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, grads)
+        if isinstance(out, torch.Tensor) and out.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class CheckpointFunction(torch.autograd.Function):
+    """Runs ``run_function`` without keeping its activations; recomputes them in backward.
+
+    Only the inputs are saved. With ``distribute_saved_activations`` the first input is kept as
+    this rank's 1/tp share (it is identical on every tensor-parallel rank) and gathered back in
+    backward.
+    """
+
+    @staticmethod
+    def forward(ctx, run_function, distribute_saved_activations, *args):
+        """Runs ``run_function(*args)`` under ``no_grad`` and saves what recomputation needs."""
+        ctx.run_function = run_function
+        ctx.distribute_saved_activations = distribute_saved_activations
+        ctx.rng_states = _capture_rng()
+        with torch.no_grad():
+            outputs = run_function(*args)
+        if distribute_saved_activations:
+            from megatron.core.tensor_parallel.utils import split_tensor_into_1d_equal_chunks
+            from megatron.core.utils import safely_set_viewless_tensor_data
+
+            ctx.first_input_shape = args[0].shape
+            safely_set_viewless_tensor_data(
+                args[0], split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True)
+            )
+        _save_inputs(ctx, args)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        """Recomputes the forward with the saved random state and backpropagates through it."""
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "checkpointed blocks support .backward() only, not torch.autograd.grad(); use "
+                ".backward() or run the block without checkpointing."
+            )
+        args = _saved_inputs(ctx)
+        if ctx.distribute_saved_activations:
+            from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
+            from megatron.core.utils import safely_set_viewless_tensor_data
+
+            safely_set_viewless_tensor_data(
+                args[0], gather_split_1d_tensor(args[0].data).view(ctx.first_input_shape)
+            )
+        inputs = _detached_inputs(args)
+        with _replayed_rng(ctx.rng_states), torch.enable_grad():
+            outputs = ctx.run_function(*inputs)
+        _backward_through(outputs, grads)
+        input_grads = tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
+        return (None, None) + input_grads
+
+
+def checkpoint(function, distribute_saved_activations: bool, *args):
+    """``function(*args)`` with activation checkpointing (see :class:`CheckpointFunction`)."""
+    return CheckpointFunction.apply(function, distribute_saved_activations, *args)
+
+
+class _CheckpointWithoutOutputFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, owner, *args):
+        with torch.no_grad():
+            outputs = run_function(*args)
+        _save_inputs(ctx, _detached_inputs(args))
+        owner.ctx = ctx
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.recomputed is None:
+            raise RuntimeError(
+                "CheckpointWithoutOutput: backward reached the checkpointed block before its "
+                "recomputation; call discard_output_and_register_recompute(t) with a tensor t "
+                "whose gradient is computed before the block's outputs are needed."
+            )
+        inputs, outputs = ctx.recomputed
+        _backward_through(outputs, grads)
+        return (None, None) + tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
+
+
+class CheckpointWithoutOutput:
+    """Checkpoints a block and also frees its outputs until backward needs them.
+
+    ``checkpoint(fn, *args)`` runs ``fn`` keeping only its inputs. After the outputs' consumers
+    have run, ``discard_output_and_register_recompute(t)`` frees the outputs' storage and, when
+    the gradient of ``t`` is computed, recomputes the block (with the forward's random state)
+    into the same tensors, so the consumers' saved references see the data again.
+
+    Args:
+        fp8: Accepted for upstream's signature; this fork runs no FP8 recompute context.
+        ckpt_manager: Upstream's shared manager of several checkpoints; not supported (None).
+        retain_input_tensors: Keep an output that shares storage with an input instead of
+            freeing it.
+    """
+
+    def __init__(self, fp8=False, ckpt_manager=None, retain_input_tensors: bool = False):
+        if ckpt_manager is not None:
+            raise ValueError(
+                "CheckpointWithoutOutput(ckpt_manager=...) is not supported by this fork; use one "
+                "CheckpointWithoutOutput per block (ckpt_manager=None)."
+            )
+        self.fp8 = fp8
+        self.retain_input_tensors = retain_input_tensors
+        self.run_function = None
+        self.rng_states = None
+        self.ctx = None
+        self.outputs = None
+
+    def checkpoint(self, run_function, *args):
+        """Runs ``run_function(*args)``, keeping only what recomputation needs."""
+        self.run_function = run_function
+        self.rng_states = _capture_rng()
+        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.ctx.recomputed = None
+        self.outputs = outputs
+        return outputs
+
+    def _outputs(self) -> tuple:
+        outs = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
+        return tuple(o for o in outs if isinstance(o, torch.Tensor))
+
+    def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Frees the outputs' storage; recomputes them when ``hook_tensor``'s gradient is ready."""
+        input_storages = {t.untyped_storage().data_ptr() for t in self.ctx.saved_tensors}
+        # (only tensors are saved; the other arguments never share an output's storage)
+        self._freed = []
+        for out in self._outputs():
+            storage = out.untyped_storage()
+            if self.retain_input_tensors and storage.data_ptr() in input_storages:
+                continue
+            self._freed.append((out, storage.nbytes()))
+            storage.resize_(0)
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._recompute)
+
+    def _recompute(self, _grad) -> None:
+        inputs = _detached_inputs(_saved_inputs(self.ctx))
+        with _replayed_rng(self.rng_states), torch.enable_grad():
+            recomputed = self.run_function(*inputs)
+        recomputed_list = recomputed if isinstance(recomputed, tuple) else (recomputed,)
+        fresh = [r for r in recomputed_list if isinstance(r, torch.Tensor)]
+        nbytes = {id(out): size for out, size in self._freed}
+        with torch.no_grad():
+            for out, new in zip(self._outputs(), fresh):
+                if id(out) not in nbytes:
+                    continue
+                out.untyped_storage().resize_(nbytes[id(out)])
+                # Write through a separate tensor on the same storage: an in-place copy into
+                # ``out`` would bump its version, and every consumer that saved it for backward
+                # would then refuse to run.
+                alias = torch.empty(0, dtype=out.dtype, device=out.device)
+                alias.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
+                alias.copy_(new)
+        self.ctx.recomputed = (inputs, recomputed)
+        self.outputs = None
