@@ -2,8 +2,11 @@
 
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
+    LinearWithGradAccumulationAndAsyncCommunication,
     RowParallelLinear,
     copy_tensor_model_parallel_attributes,
+    linear_with_frozen_weight,
+    linear_with_grad_accumulation_and_async_allreduce,
     param_is_not_tensor_parallel_duplicate,
     set_defaults_if_not_set_tensor_model_parallel_attributes,
     set_tensor_model_parallel_attributes,
@@ -19,20 +22,31 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megatron.core.tensor_parallel.random import (
+    CheckpointWithoutOutput,
     CudaRNGStatesTracker,
+    checkpoint,
     get_cuda_rng_tracker,
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     initialize_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
-from megatron.core.tensor_parallel.utils import divide, split_tensor_along_last_dim
+from megatron.core.tensor_parallel.utils import (
+    VocabUtility,
+    divide,
+    gather_split_1d_tensor,
+    split_tensor_along_last_dim,
+    split_tensor_into_1d_equal_chunks,
+)
 
 __all__ = [
     # layers
     "ColumnParallelLinear",
+    "LinearWithGradAccumulationAndAsyncCommunication",
     "RowParallelLinear",
     "copy_tensor_model_parallel_attributes",
+    "linear_with_frozen_weight",
+    "linear_with_grad_accumulation_and_async_allreduce",
     "param_is_not_tensor_parallel_duplicate",
     "set_defaults_if_not_set_tensor_model_parallel_attributes",
     "set_tensor_model_parallel_attributes",
@@ -46,13 +60,18 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     # random
+    "CheckpointWithoutOutput",
     "CudaRNGStatesTracker",
+    "checkpoint",
     "get_cuda_rng_tracker",
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "initialize_rng_tracker",
     "model_parallel_cuda_manual_seed",
     # utils
+    "VocabUtility",
     "divide",
+    "gather_split_1d_tensor",
     "split_tensor_along_last_dim",
+    "split_tensor_into_1d_equal_chunks",
 ]
