@@ -54,6 +54,10 @@ class ModelParallelConfig:
     timers: Optional[Callable] = None
     """Timer factory (unused by the MLP stack)."""
 
+    deterministic_mode: bool = False
+    """Prefer deterministic implementations where a choice exists (e.g. the embedding lookup's
+    backward). The fused activation kernels are deterministic in every mode."""
+
     gradient_accumulation_fusion: bool = False
     """Accumulate weight gradients into ``main_grad`` (needs APEX / TE); off by default."""
 

@@ -96,6 +96,7 @@ PUBLIC_API = {
         "linear_with_grad_accumulation_and_async_allreduce",
         "LinearWithGradAccumulationAndAsyncCommunication",
         "linear_with_frozen_weight",
+        "VocabParallelEmbedding",
         "checkpoint",
         "CheckpointWithoutOutput",
         "VocabUtility",
