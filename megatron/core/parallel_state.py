@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from megatron.core.utils import GlobalMemoryBuffer
+
 _LAYOUT_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
 # This rank's groups and their global ranks, keyed by the names below. An empty dict means "not
@@ -364,6 +366,9 @@ def initialize_model_parallel(
         _OVERRIDES["vpp_rank"] = 0
         _OVERRIDES["vpp_size"] = virtual_pipeline_model_parallel_size
 
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+
 
 def is_initialized() -> bool:
     """Whether ``initialize_model_parallel`` has run (the data-parallel group exists)."""
@@ -384,6 +389,7 @@ def destroy_model_parallel() -> None:
     _GROUPS.clear()
     _GROUP_RANKS.clear()
     _OVERRIDES.clear()
+    destroy_global_memory_buffer()
 
 
 # ------------------------------------------------------------------------------------ groups
@@ -739,3 +745,56 @@ def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) ->
 def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
     """Sets the current virtual pipeline chunk."""
     _OVERRIDES["vpp_rank"] = rank
+
+
+# ----------------------------------------------------------------------------- more getters
+_GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
+
+
+def get_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's model-parallel (tensor x pipeline) group."""
+    return _ranks("mp")[0]
+
+
+def get_expert_model_parallel_src_rank() -> int:
+    """The global rank of the first rank of this rank's expert-model-parallel group."""
+    return _ranks("ep")[0]
+
+
+def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
+    """The ranks of one distributed-optimizer instance: here the data x context-parallel group,
+    since this fork builds a single instance."""
+    return _group("dp-cp", check_initialized)
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The process-wide scratch buffer created by ``initialize_model_parallel``.
+
+    Raises:
+        AssertionError: ``initialize_model_parallel`` has not run.
+    """
+    assert _GLOBAL_MEMORY_BUFFER is not None, (
+        "the global memory buffer is not initialized; call "
+        "parallel_state.initialize_model_parallel() first."
+    )
+    return _GLOBAL_MEMORY_BUFFER
+
+
+def destroy_global_memory_buffer() -> None:
+    """Drops the global memory buffer (its tensors are freed when no view is left)."""
+    global _GLOBAL_MEMORY_BUFFER
+    _GLOBAL_MEMORY_BUFFER = None
+
+
+def get_all_ranks() -> str:
+    """This rank's index in its tensor, weight-rematerialization (always 0 here), data, context,
+    pipeline and expert-model-parallel groups, joined by ``_`` (e.g. ``"1_0_0_0_0_1"``)."""
+    ranks = [
+        get_tensor_model_parallel_rank(),
+        0,
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
+    ]
+    return "_".join(str(rank or 0) for rank in ranks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -234,3 +235,26 @@ def deprecate_inference_params(inference_context, inference_params):
         )
         return inference_params
     return inference_context
+
+
+# ----------------------------------------------------------------------------- scratch memory
+class GlobalMemoryBuffer:
+    """Named scratch tensors reused across calls, to avoid an allocation per call.
+
+    ``get_tensor(shape, dtype, name)`` returns a view of the ``(name, dtype)`` buffer, growing it
+    when it is too small. Callers must not use two views of one name at the same time.
+    """
+
+    def __init__(self):
+        self.buffer: dict = {}
+
+    def get_tensor(self, tensor_shape, dtype: torch.dtype, name: str, mem_alloc_context=None):
+        """A ``tensor_shape`` view of the ``(name, dtype)`` buffer (on the current CUDA device,
+        else the CPU), allocated inside ``mem_alloc_context()`` when it must grow."""
+        needed = math.prod(tensor_shape)
+        key = (name, dtype)
+        if key not in self.buffer or self.buffer[key].numel() < needed:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            with (mem_alloc_context or contextlib.nullcontext)():
+                self.buffer[key] = torch.empty(needed, dtype=dtype, device=device)
+        return self.buffer[key][:needed].view(*tensor_shape)

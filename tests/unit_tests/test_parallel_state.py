@@ -211,6 +211,20 @@ def test_fake_initialize_model_parallel():
     assert not Utils.inited
 
 
+def test_global_memory_buffer(single_rank):
+    buffer = ps.get_global_memory_buffer()
+    a = buffer.get_tensor((2, 3), torch.float32, "scratch")
+    b = buffer.get_tensor((6,), torch.float32, "scratch")
+    assert a.shape == (2, 3) and a.data_ptr() == b.data_ptr()  # one buffer, reused
+    bigger = buffer.get_tensor((4, 4), torch.float32, "scratch")
+    assert bigger.numel() == 16
+    other = buffer.get_tensor((2,), torch.bfloat16, "scratch")
+    assert other.dtype == torch.bfloat16  # (name, dtype) keys separate buffers
+    ps.destroy_global_memory_buffer()
+    with pytest.raises(AssertionError, match="global memory buffer is not initialized"):
+        ps.get_global_memory_buffer()
+
+
 def test_process_group_collection(single_rank):
     everything = ProcessGroupCollection.use_mpu_process_groups()
     assert everything.tp is ps.get_tensor_model_parallel_group()
@@ -260,7 +274,13 @@ def _two_rank_worker(rank, world_size):
             "get_expert_tensor_parallel_rank": rank,
             "get_expert_model_parallel_world_size": 1,
             "get_expert_data_parallel_world_size": 1,
+            "get_model_parallel_src_rank": 0,
+            "get_expert_model_parallel_src_rank": rank,
+            "get_all_ranks": f"{rank}_0_0_0_0_0",
         },
+    )
+    assert ps.get_intra_distributed_optimizer_instance_group() is ps.get_data_parallel_group(
+        with_context_parallel=True
     )
     assert torch.distributed.get_process_group_ranks(ps.get_tensor_model_parallel_group()) == [0, 1]
     # The group really communicates: an all-reduce over it sums both ranks.
