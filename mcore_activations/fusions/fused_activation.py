@@ -43,7 +43,7 @@ def activation_forward(
     instead (the eager twin of the compiled entry points; autograd differentiates it).
     """
     if not eager and torch.is_grad_enabled() and _any_requires_grad(x, bias, probs):
-        check_inputs(spec, x, bias, probs)
+        # save_and_forward checks the inputs before any kernel runs.
         return FusedActivationFunction.apply(x, bias, probs, spec, False, False)
     return _forward_no_autograd(spec, x, bias, probs, eager)
 

@@ -433,12 +433,19 @@ class _Launcher:
         self.compiled: dict = {}
 
     def __call__(self, grid, args: tuple, plan: tuple, key: tuple) -> None:
+        global _DIRECT_LAUNCH
         compiled = self.compiled.get(key) if _DIRECT_LAUNCH else None
         if compiled is not None:
-            # Positional in signature order: runtime arguments, then the compile-time values
-            # (Triton's launcher skips those, as it does when it launches through the JIT).
-            compiled[grid](*args, *plan[3])
-            return
+            try:
+                # Positional in signature order: runtime arguments, then the compile-time values
+                # (Triton's launcher skips those, as it does when it launches through the JIT).
+                compiled[grid](*args, *plan[3])
+                return
+            except TypeError:
+                # A Triton whose compiled-kernel launcher takes other arguments: the launch was
+                # refused before any kernel ran, so go through Triton's own entry point, now and
+                # from here on.
+                _DIRECT_LAUNCH = False
         compiled = self.kernel[grid](*args, **plan[2])
         if _DIRECT_LAUNCH and isinstance(compiled, triton.compiler.CompiledKernel):
             self.compiled[key] = compiled

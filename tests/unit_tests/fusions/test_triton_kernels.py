@@ -427,3 +427,35 @@ def test_cuda_triton_matches_te_op(name, weighted):
     for (out, dx), run in zip(results, ("triton", "te")):
         assert_close_to_reference(out, ref, torch.bfloat16, f"{run} {name} out")
         assert_close_to_reference(dx, xr.grad, torch.bfloat16, f"{run} {name} dx")
+
+
+def test_direct_launch_falls_back_to_triton_when_the_launcher_differs(monkeypatch):
+    """Users run other Triton releases: if a cached kernel's launcher refuses the arguments,
+    the call goes through Triton's own entry point instead, and so do all later calls."""
+    from mcore_activations.fusions import triton_kernels as tk
+
+    class Compiled:
+        def __getitem__(self, grid):
+            def launch(*args):
+                raise TypeError("launcher takes other arguments")
+
+            return launch
+
+    class Kernel:
+        calls = 0
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                Kernel.calls += 1
+                return Compiled()
+
+            return run
+
+    monkeypatch.setattr(tk.triton.compiler, "CompiledKernel", Compiled)
+    monkeypatch.setattr(tk, "_DIRECT_LAUNCH", True)
+    launcher = tk._Launcher(Kernel())
+    plan = (1, 1, {"BLOCK_M": 1}, (1,))
+    for expected_calls in (1, 2, 3):
+        launcher((1, 1, 1), ("x",), plan, ("key",))
+        assert Kernel.calls == expected_calls
+    assert tk._DIRECT_LAUNCH is False
