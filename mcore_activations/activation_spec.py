@@ -1,12 +1,11 @@
 """ActivationSpec: the one description of an MLP activation that every code path follows.
 
-An MLP layer can run through many paths (unfused ``MLP``, compiled fused kernels, shared and routed
-experts, Transformer Engine fused ops). Deciding "which activation" separately in each path is how
-upstream shipped fused classes that silently ran plain SwiGLU for a clamped or SiTU-GLU config.
-Here the decision is made once: :meth:`ActivationSpec.from_config` turns the config's activation
-fields into a frozen value, every backend *lowers* that value to its implementation or refuses it
-with :class:`UnsupportedActivationError`, and :meth:`ActivationSpec.reference` is the formula every
-test compares against.
+:meth:`ActivationSpec.from_config` turns the config's activation fields into a frozen value (the
+only place they are read); every backend *lowers* that value to its implementation or refuses it
+with :class:`UnsupportedActivationError`; :meth:`ActivationSpec.reference` is the formula every
+test compares against. This module is the second rung of the activation ladder: it imports only
+the upstream callables (``activations``) below it, never an implementation above it
+(docs/activations.md).
 
 Formulas (``g`` / ``u``: gate / linear half of the fc1 output, ``act``: the base function):
 
@@ -31,6 +30,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from mcore_activations import activations
+from mcore_activations.activations import (  # noqa: F401 - named once, beside the callables
+    GELU_TANH_COEF,
+    QUICK_GELU_ALPHA,
+    situ,
+    tanh_soft_clamp,
+)
 
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
@@ -92,9 +99,6 @@ class ActivationKind(str, enum.Enum):
     CUSTOM = "custom"  # any other callable: only the unfused eager path can run it
 
 
-# Re-exported: the approximations' constants are named once, beside the callables.
-from mcore_activations.activations import GELU_TANH_COEF, QUICK_GELU_ALPHA  # noqa: E402, F401
-
 _GATED_NAMES = {
     ActivationKind.SILU: "SwiGLU",
     ActivationKind.GELU: "GEGLU (erf)",
@@ -126,29 +130,37 @@ _UPSTREAM_CALLABLES = {
 }
 
 
+# The callables the spec recognises, by identity; modules above the spec add theirs with
+# register_activation_callable (fused_bias_geglu's quick_gelu copy).
+_KNOWN_CALLABLES: list[tuple[Callable, ActivationKind]] = [
+    (F.silu, ActivationKind.SILU),
+    (F.gelu, ActivationKind.GELU),
+    (activations.fast_gelu, ActivationKind.GELU_TANH),
+    (activations.quick_gelu, ActivationKind.QUICK_GELU),
+    (F.relu, ActivationKind.RELU),
+    (torch.relu, ActivationKind.RELU),
+    (activations.squared_relu, ActivationKind.SQUARED_RELU),
+]
+
+
+def register_activation_callable(func: Callable, kind: ActivationKind) -> None:
+    """Makes :func:`activation_kind_of` classify ``func`` (by identity) as ``kind``.
+
+    For callables defined in modules above the spec, which the spec must not import: a config can
+    only hold such a callable once its module is imported, and importing it registers it.
+    """
+    if not any(known is func for known, _ in _KNOWN_CALLABLES):
+        _KNOWN_CALLABLES.append((func, ActivationKind(kind)))
+
+
 def activation_kind_of(func: Callable) -> ActivationKind:
     """Classifies an ``activation_func`` by identity (never by name or behaviour).
 
-    Both of megatron.core's ``quick_gelu`` copies map to QUICK_GELU (upstream only recognised the
-    one in ``fused_bias_geglu``, so the other silently took a different branch). When an upstream
+    Both of megatron.core's ``quick_gelu`` copies map to QUICK_GELU. When an upstream
     megatron-core is installed (the patch of docs/using-with-megatron-lm.md), its callables of
     the same names are recognised too: they are other objects computing the same functions.
     """
-    # Local imports: the fusion modules import this module.
-    from mcore_activations import activations
-    from mcore_activations.fusions import fused_bias_geglu
-
-    table = {
-        F.silu: ActivationKind.SILU,
-        F.gelu: ActivationKind.GELU,
-        activations.fast_gelu: ActivationKind.GELU_TANH,
-        activations.quick_gelu: ActivationKind.QUICK_GELU,
-        fused_bias_geglu.quick_gelu: ActivationKind.QUICK_GELU,
-        F.relu: ActivationKind.RELU,
-        torch.relu: ActivationKind.RELU,
-        activations.squared_relu: ActivationKind.SQUARED_RELU,
-    }
-    for known, kind in table.items():
+    for known, kind in _KNOWN_CALLABLES:
         if func is known:
             return kind
     for module_name, names in _UPSTREAM_CALLABLES.items():
@@ -428,8 +440,6 @@ def unfused_activation(
         probs: Optional per-row probabilities ``x.shape[:-1] + (1,)``; the product is cast back
             to ``x.dtype``.
     """
-    from mcore_activations.activations import situ, tanh_soft_clamp
-
     func = activation_func if activation_func is not None else spec.base_function
     if spec.gated:
         gate, lin = deinterleave_glu(x, spec.glu_interleave_size)

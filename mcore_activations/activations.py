@@ -1,8 +1,10 @@
-"""Activation functions used as ``TransformerConfig.activation_func`` values.
+"""Upstream's activation callables, used as ``TransformerConfig.activation_func`` values.
 
-The object identity of these functions matters: ``ActivationSpec`` classifies an
-``activation_func`` by identity (``activations.squared_relu`` is squared ReLU, ``fast_gelu`` the
-tanh GELU, and both ``quick_gelu`` copies are quick-GELU).
+The bottom rung of the activation ladder (docs/activations.md): it imports nothing of the package
+but the ``jit_fuser`` decorator and the compile-boundary leaf ``fusions.kernel_params``.
+``ActivationSpec`` classifies an ``activation_func`` by identity (``squared_relu`` is squared
+ReLU, ``fast_gelu`` the tanh GELU, ``quick_gelu`` quick-GELU), so these objects must stay the
+ones a config holds.
 
 Functions with a scale argument take it as a Python float and pass it to compiled code as a
 float32 tensor (docs/compile-safety.md).
@@ -10,6 +12,7 @@ float32 tensor (docs/compile-safety.md).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -56,11 +59,15 @@ def _situ(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (s * torch.tanh(xf / s) * torch.sigmoid(xf)).to(x.dtype)
 
 
-def _scale_tensor(name: str, scale, device) -> torch.Tensor:
+def _checked_scale(name: str, scale) -> float:
     value = float(scale)
     if not value > 0.0 or value == float("inf"):
         raise ValueError(f"{name} must be finite and greater than zero, got {scale!r}.")
-    return params_tensor((value,), device)
+    return value
+
+
+def _scale_tensor(name: str, scale, device) -> torch.Tensor:
+    return params_tensor((_checked_scale(name, scale),), device)
 
 
 def tanh_soft_clamp(x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -73,6 +80,23 @@ def situ(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _situ(x, _scale_tensor("scale", scale, x.device))
 
 
+@jit_fuser
+def _situ_glu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # params: [s_g, offset]; float32 math, one rounding, as the fused kernels compute.
+    gate, lin = torch.chunk(x.float(), 2, dim=-1)
+    s_g = params[0]
+    return (s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate) * (lin + params[1])).to(x.dtype)
+
+
+@jit_fuser
+def _situ_glu_scaled(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    # params: [s_g, offset, s_l]: the linear half soft-clamped to (-s_l, s_l) first.
+    gate, lin = torch.chunk(x.float(), 2, dim=-1)
+    s_g, s_l = params[0], params[2]
+    lin = s_l * torch.tanh(lin / s_l)
+    return (s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate) * (lin + params[1])).to(x.dtype)
+
+
 def situ_glu(
     x: torch.Tensor,
     gate_scale: float,
@@ -82,16 +106,16 @@ def situ_glu(
     """SiTU-GLU of ``x = [gate, linear]``: ``situ(gate, s_g) * (L + linear_offset)``.
 
     ``L`` is ``linear_scale * tanh(linear / linear_scale)`` when ``linear_scale`` is set, else the
-    linear half itself. Runs on the fused activation kernels (differentiable).
-    """
-    from mcore_activations.activation_spec import ActivationKind, ActivationSpec
-    from mcore_activations.fusions.fused_activation import fused_activation
+    linear half itself. Computed in float32, result in ``x.dtype``; differentiable.
 
-    spec = ActivationSpec(
-        ActivationKind.SILU,
-        gated=True,
-        gate_tanh_scale=gate_scale,
-        linear_tanh_scale=linear_scale,
-        linear_offset=linear_offset,
-    )
-    return fused_activation(x, spec)
+    Raises:
+        ValueError: a scale is not finite and greater than zero, or the offset is not finite.
+    """
+    s_g = _checked_scale("gate_scale", gate_scale)
+    offset = float(linear_offset)
+    if not math.isfinite(offset):
+        raise ValueError(f"linear_offset must be finite, got {linear_offset!r}.")
+    if linear_scale is None:
+        return _situ_glu(x, params_tensor((s_g, offset), x.device))
+    s_l = _checked_scale("linear_scale", linear_scale)
+    return _situ_glu_scaled(x, params_tensor((s_g, offset, s_l), x.device))

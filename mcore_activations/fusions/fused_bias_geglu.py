@@ -17,6 +17,7 @@ from mcore_activations.activation_spec import (
     QUICK_GELU_ALPHA,
     ActivationKind,
     ActivationSpec,
+    register_activation_callable,
 )
 from mcore_activations.fusions.fused_activation import (
     activation_backward,
@@ -101,6 +102,9 @@ def bias_geglu_impl(input, bias):
 def quick_gelu(y: torch.Tensor) -> torch.Tensor:
     """``y * sigmoid(1.702 y)``. The identity MLP and config compare ``activation_func`` with."""
     return y * torch.sigmoid(QUICK_GELU_ALPHA * y)
+
+
+register_activation_callable(quick_gelu, ActivationKind.QUICK_GELU)
 
 
 def quick_geglu(y, linear_offset=0.0):
