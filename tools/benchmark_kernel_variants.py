@@ -18,6 +18,11 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``tiles``: the Triton kernels' launch shape (tile elements, warps, widest column block) for
   forward and backward, unweighted and weighted, gated and not: the sweep behind the constants
   in ``triton_kernels``.
+- ``stages``: the Triton kernels with and without software pipelining (``num_stages``), raw
+  forward and backward, for gated and non-gated kinds, unweighted and weighted.
+- ``path``: where the time of a whole forward+backward through ``fused_activation`` goes: the
+  raw kernels next to the full autograd path, and a profiler table of every CUDA kernel the
+  path launches (finds work around the kernels, e.g. copies or reductions).
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -227,6 +232,76 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     return row
 
 
+STAGE_CASES = TILE_CASES | {
+    "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
+    "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
+}
+
+
+def _raw_inputs(spec, weighted, rows, ffn, dtype):
+    width = 2 * ffn if spec.gated else ffn
+    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    probs = torch.rand(rows, 1, device="cuda") if weighted else None
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    copy_fwd = copy_ms(rows * (width + ffn) * dtype.itemsize)
+    copy_bwd = copy_ms(rows * (2 * width + ffn) * dtype.itemsize)
+    return x, grad, probs, params, copy_fwd, copy_bwd
+
+
+def bench_stages(spec, weighted, rows, ffn, dtype):
+    """Raw Triton forward / backward time over the copy floor for num_stages 1, 2 and 3."""
+    from mcore_activations.fusions import triton_kernels as tk
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
+    saved = tk._NUM_STAGES
+    row = {}
+    try:
+        for stages in (1, 2, 3):
+            tk._NUM_STAGES = stages
+            t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
+            row[f"fwd stages={stages}"] = t / copy_fwd
+            t = time_ms(lambda: tk.triton_backward(variant, grad, x, None, probs, params))
+            row[f"bwd stages={stages}"] = t / copy_bwd
+    finally:
+        tk._NUM_STAGES = saved
+    return row
+
+
+def bench_path(spec, weighted, rows, ffn, dtype):
+    """Raw kernels against the whole autograd path, and the path's CUDA kernels (profiler)."""
+    from mcore_activations.fusions import triton_kernels as tk
+    from mcore_activations.fusions.fused_activation import fused_activation
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
+    xg = x.clone().requires_grad_()
+    pg = probs.clone().requires_grad_() if weighted else None
+
+    def fwd_bwd():
+        xg.grad = None
+        if pg is not None:
+            pg.grad = None
+        fused_activation(xg, spec, probs=pg).backward(grad)
+
+    def raw():
+        tk.triton_forward(variant, x, None, probs, params)
+        tk.triton_backward(variant, grad, x, None, probs, params)
+
+    row = {
+        "raw fwd+bwd": time_ms(raw) / (copy_fwd + copy_bwd),
+        "path fwd+bwd": time_ms(fwd_bwd) / (copy_fwd + copy_bwd),
+    }
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    print(f"\nCUDA kernels of 10 forward+backward calls, {rows} x {ffn}, weighted={weighted}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    return row
+
+
 def bench_host():
     """Microseconds per call of each layer on a tiny input; prints a cProfile of the top."""
     import cProfile
@@ -298,9 +373,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument(
-        "--experiment", choices=["compile", "layout", "tiles", "host", "all"], default="all"
-    )
+    experiments = ["compile", "layout", "tiles", "stages", "path", "host", "all"]
+    parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -324,6 +398,16 @@ def main(argv=None):
             n: bench_tiles(s, w, args.rows, args.ffn, dtype) for n, (s, w) in TILE_CASES.items()
         }
         _print_table("Triton launch shapes: tile/warps/max column block", results["tiles"])
+    if args.experiment in ("stages", "all"):
+        results["stages"] = {
+            n: bench_stages(s, w, args.rows, args.ffn, dtype) for n, (s, w) in STAGE_CASES.items()
+        }
+        _print_table("Triton software pipelining (num_stages)", results["stages"])
+    if args.experiment in ("path", "all"):
+        results["path"] = {
+            n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in STAGE_CASES.items()
+        }
+        _print_table("raw kernels vs the autograd path", results["path"])
     if args.experiment in ("host", "all"):
         results["host"] = bench_host()
     if args.json:

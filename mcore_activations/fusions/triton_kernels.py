@@ -8,8 +8,11 @@ linear offset) are read from the float32 ``params`` tensor on the device, never 
 code: one compiled kernel serves every value, which is what makes the path immune to the
 stale-constant class of bug (docs/compile-safety.md) and CUDA-graph capturable.
 
-Numerics mirror the torch reference in ``activation_kernels`` term by term: loads are upcast to
-float32, all math is float32, stores cast to the output dtype. Clamps are ``where`` selects that
+Numerics follow the torch reference in ``activation_kernels``: the same formulas, loads upcast
+to float32, all math in float32, stores cast to the output dtype. Two are rearranged to spend
+fewer special-function operations (exponentials and divisions bound the transcendental-heavy
+kinds, not memory): GELU's ``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, and
+SiTU-GLU's two tanh terms and sigmoid share one division. Clamps are ``where`` selects that
 keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are inclusive at
 the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
 
@@ -66,10 +69,45 @@ def _tanh(x):
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
     t = tl.math.fdiv(1.0 - e, 1.0 + e)
-    x2 = x * x
-    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     # NaN fails both comparisons and falls through to t, which is NaN.
-    return tl.where(ax < 0.0625, small, tl.where(x < 0.0, -t, t))
+    return tl.where(ax < 0.0625, _tanh_taylor(x), tl.where(x < 0.0, -t, t))
+
+
+@triton.jit
+def _tanh_taylor(x):
+    x2 = x * x
+    return x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+
+
+@triton.jit
+def _tanh_ratio(x):
+    """``tanh(x)`` as ``(n, d, q)``: ``tanh = n / d`` and ``1 - tanh**2 = q / d**2``, ``d`` in
+    ``[1, 2]``.
+
+    The same formula as :func:`_tanh` without its division, so that SiTU-GLU can share one
+    division between its two tanh terms and its sigmoid (see :func:`_glu_terms`). ``q`` is
+    ``4 * exp(-2|x|)`` exactly, where ``1 - tanh**2`` computed from tanh would cancel (|x| > 4:
+    every digit lost at |x| > 9); inside the Taylor range there is nothing to cancel.
+    """
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    d = 1.0 + e
+    small = ax < 0.0625
+    n = tl.where(small, _tanh_taylor(x) * d, tl.where(x < 0.0, e - 1.0, 1.0 - e))
+    q = tl.where(small, d * d - n * n, 4.0 * e)
+    return n, d, q
+
+
+@triton.jit
+def _sigmoid_ratio(x):
+    """``sigmoid(x)`` as ``(d, e)``: ``sigmoid = 1 / d`` and ``1 - sigmoid = e / d``.
+
+    The exponent is capped at 80 (sigmoid(-80) = 1.8e-35, zero next to any tolerance): a product
+    of three denominators then stays below 2**126, the range in which the fast division is
+    accurate. NaN fails the comparison and stays NaN.
+    """
+    e = tl.exp(-tl.where(x < -80.0, -80.0, x))
+    return 1.0 + e, e
 
 
 @triton.jit
@@ -89,10 +127,18 @@ def _base_and_grad(x, KIND: tl.constexpr):
         y = x * cdf
         d = cdf + x * pdf
     elif KIND == "gelu_tanh":
-        t = _tanh((x + x * x * x * _GELU_TANH_COEF) * _SQRT_2_OVER_PI)
-        d_inner = (1.0 + x * x * (3.0 * _GELU_TANH_COEF)) * _SQRT_2_OVER_PI
-        y = 0.5 * x * (1.0 + t)
-        d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z): one exponential and one division, and accurate
+        # where 1 + tanh(z) cancels (x << 0). sigmoid of -|2z| and its complement come from the
+        # same exp(-|2z|), which never overflows, so 1 - s is accurate for x >> 0 as well.
+        z2 = (x + x * x * x * _GELU_TANH_COEF) * (2.0 * _SQRT_2_OVER_PI)
+        e = tl.exp(-tl.abs(z2))
+        hi = tl.math.fdiv(1.0, 1.0 + e)  # sigmoid(|2z|)
+        lo = e * hi  # sigmoid(-|2z|) == 1 - sigmoid(|2z|)
+        s = tl.where(z2 < 0.0, lo, hi)  # NaN selects hi, which is NaN
+        one_minus_s = tl.where(z2 < 0.0, hi, lo)
+        d_inner = (1.0 + x * x * (3.0 * _GELU_TANH_COEF)) * (2.0 * _SQRT_2_OVER_PI)
+        y = x * s
+        d = s + x * s * one_minus_s * d_inner
     elif KIND == "relu":
         # where(x < 0, 0, x) keeps NaN, as torch.relu does; the derivative (x > 0) is 0 at NaN.
         y = tl.where(x < 0.0, 0.0, x)
@@ -123,21 +169,41 @@ def _glu_terms(
         lin_mask = tl.where((lin >= -c) & (lin <= c), 1.0, 0.0)
         gate = tl.where(gate > c, c, gate)
         lin = tl.where(lin > c, c, tl.where(lin < -c, -c, lin))
+    # SiTU-GLU needs tanh(g / s_g), sigmoid(g) and tanh(u / s_l): three exponentials and three
+    # divisions per element, enough to make it bound by the special-function unit rather than
+    # memory on an H200. The three denominators are multiplied and divided once; each
+    # reciprocal is then the product of the other two with that one.
     if GATE_TANH:  # SiTU-GLU gate: s_g * tanh(g / s_g) * sigmoid(g)
         s_g = tl.load(params_ptr + 1)
-        # One scalar reciprocal per program instead of a division per element: the special-
-        # function unit, not memory, bounds SiTU-GLU on an H200, and every division costs one.
-        t = _tanh(gate * (1.0 / s_g))
-        sig = _sigmoid(gate)
+        # One scalar reciprocal per program instead of a division per element.
+        n_t, d_t, q_t = _tanh_ratio(gate * (1.0 / s_g))
+        d_s, e_s = _sigmoid_ratio(gate)
+        den = d_t * d_s
+    if LINEAR_TANH:
+        s_l = tl.load(params_ptr + 2)
+        n_l, d_l, q_l = _tanh_ratio(lin * (1.0 / s_l))
+        if GATE_TANH:
+            inv = tl.math.fdiv(1.0, den * d_l)
+            inv_gate = inv * d_l  # 1 / (d_t * d_s)
+            inv_lin = inv * den  # 1 / d_l
+        else:
+            inv_lin = tl.math.fdiv(1.0, d_l)
+    elif GATE_TANH:
+        inv_gate = tl.math.fdiv(1.0, den)
+    if GATE_TANH:
+        inv_t = inv_gate * d_s
+        t = n_t * inv_t
+        sig = inv_gate * d_t
         act = s_g * t * sig
-        d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
+        # 1 - t**2 and 1 - sig from their exact forms (q_t, e_s): computed from t and sig both
+        # would cancel where t or sig nears 1.
+        d_act = q_t * inv_t * inv_t * sig + act * (e_s * sig)
     else:
         act, d_act = _base_and_grad(gate, KIND)
     if LINEAR_TANH:
-        s_l = tl.load(params_ptr + 2)
-        t_l = _tanh(lin * (1.0 / s_l))
+        t_l = n_l * inv_lin
         lin = s_l * t_l
-        d_lin = 1.0 - t_l * t_l
+        d_lin = q_l * inv_lin * inv_lin
     else:
         d_lin = tl.full(lin.shape, 1.0, tl.float32)
     lin = lin + tl.load(params_ptr + 3)
@@ -324,6 +390,9 @@ _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
 _MAX_BLOCK_N = 1024
+# No software pipelining: the kernels stream each element once, so there is nothing to prefetch,
+# and the pipeliner would stage the backward's row loop through shared memory.
+_NUM_STAGES = 1
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
@@ -349,12 +418,14 @@ def _block_n(F: int) -> int:
 
 
 @functools.cache
-def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict, tuple]:
+def _plan(
+    v, F: int, tile: int, warps: int, max_block_n: int, stages: int
+) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
     MoE experts make (the arguments after ``v`` and ``F`` are the module constants, so a changed
     constant gets a fresh plan)."""
-    del max_block_n  # part of the cache key only; _block_n reads it
+    del max_block_n, stages  # part of the cache key only; _block_n and the kwargs read them
     block_n = _block_n(F)
     block_m = max(1, tile // block_n)
     kwargs = dict(
@@ -369,6 +440,7 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
+        num_stages=_NUM_STAGES,
     )
     params = [name for name in _activation_fwd_kernel.arg_names if name in kwargs]
     assert params == [name for name in _activation_bwd_kernel.arg_names if name in kwargs]
@@ -376,7 +448,7 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
 
 
 def _forward_plan(v, F):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N, _NUM_STAGES)
 
 
 def _backward_plan(v, F):
@@ -384,8 +456,8 @@ def _backward_plan(v, F):
         # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
         # the copy floor on an H200 against 1.04x over one row (docs/performance.md), and GLUs
         # gain nothing from taller tiles.
-        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N)
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N)
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N, _NUM_STAGES)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N, _NUM_STAGES)
 
 
 def _contiguous(*tensors):
@@ -469,6 +541,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
         x.device.index,
         plan[3],
         plan[2]["num_warps"],
+        plan[2]["num_stages"],
         _ptr_key(x),
         _ptr_key(bias),
         _ptr_key(probs),
@@ -509,7 +582,8 @@ def triton_backward(
         else None
     )
     args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
-    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
+    key = (x.device.index, plan[3], plan[2]["num_warps"], plan[2]["num_stages"])
+    key += tuple(_ptr_key(t) for t in args[:8])
     key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
     with _device_guard(x):
         _backward_launcher((row_programs, col_blocks, 1), args, plan, key)
