@@ -420,6 +420,35 @@ def interleave_glu(gate: torch.Tensor, lin: torch.Tensor, block: Optional[int]) 
     return pairs.flatten(-3)
 
 
+def glu_rows_to_blocks(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """A gated fc1 weight ``[gate rows; linear rows]`` with its rows in the blocks of
+    :func:`interleave_glu` (``[g(k), u(k), g(k), u(k), ...]`` along dim 0)."""
+    gate, lin = weight.t().chunk(2, dim=-1)
+    return interleave_glu(gate, lin, block).t().contiguous()
+
+
+def glu_rows_to_halves(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of :func:`glu_rows_to_blocks`."""
+    gate, lin = deinterleave_glu(weight.t(), block)
+    return torch.cat([gate, lin], dim=-1).t().contiguous()
+
+
+def fc1_weight_to_halves(module, state_dict, prefix, *args) -> None:
+    """State-dict post-hook of a layer that keeps its fc1 rows block-interleaved in memory
+    (``module.glu_interleave_size``): the saved ``linear_fc1.weight`` is in halves, as the
+    unfused MLP's, so weights move between the two classes unchanged."""
+    key = f"{prefix}linear_fc1.weight"
+    if key in state_dict:
+        state_dict[key] = glu_rows_to_halves(state_dict[key], module.glu_interleave_size)
+
+
+def fc1_weight_to_blocks(module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook, the inverse of :func:`fc1_weight_to_halves`."""
+    key = f"{prefix}linear_fc1.weight"
+    if key in state_dict:
+        state_dict[key] = glu_rows_to_blocks(state_dict[key], module.glu_interleave_size)
+
+
 def unfused_activation(
     x: torch.Tensor,
     spec: ActivationSpec,

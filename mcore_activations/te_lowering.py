@@ -6,8 +6,8 @@ It maps an :class:`ActivationSpec` to the op and arguments that compute exactly
 ``spec.reference``, or raises :class:`UnsupportedActivationError` naming the path, the activation,
 the reason and what to configure instead (the table is in docs/te-paths.md).
 
-``te``, ``HAVE_TE`` and ``is_te_min_version`` are module globals read at call time, so tests can
-replace them with a fake ``te`` namespace on CPU.
+TE itself is read from the import seam (``te_import.te``) at call time, so a fake ``te`` set there
+by a test is what the lowering sees, version checks included.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Optional
 
+from mcore_activations import te_import
 from mcore_activations.activation_spec import (
     QUICK_GELU_ALPHA,
     ActivationKind,
@@ -24,74 +25,17 @@ from mcore_activations.activation_spec import (
     UnsupportedActivationError,
     activation_kind_of,
 )
-from mcore_activations.te_import import (  # re-exported under their upstream-era names
+from mcore_activations.te_import import (  # noqa: F401 - re-exported under their upstream-era names
     TE_CACHE_QUANTIZED_INPUT_MIN_VERSION,
     TE_CLAMPED_GLU_MIN_VERSION,
     TE_GROUPED_OPS_MIN_VERSION,
+    TE_INSTALL_HINT,
     TE_OPS_MIN_VERSION,
     TE_SILU_MIN_VERSION,
     TE_SITU_GLU_MIN_VERSION,
-    te_module,
 )
-from mcore_activations.versions import get_te_version, is_te_min_version
-
-# The one install hint every message about a missing TE gives (the TE error, the audit).
-TE_INSTALL_HINT = "pip install 'transformer-engine[pytorch]'"
-
-
-# --------------------------------------------------------------------------------- TE import
-
-
-class _TEPlaceholder:
-    """Stands in for ``transformer_engine`` (and anything under it) when TE is unusable.
-
-    Attribute access yields more placeholders, so module-level references such as
-    ``te.pytorch.ops`` resolve; calling one raises ``ImportError`` with the install command.
-    """
-
-    __version__ = "0.0.0"
-
-    def __init__(self, qualname: str = "transformer_engine"):
-        self._qualname = qualname
-
-    def __getattr__(self, name: str) -> _TEPlaceholder:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _TEPlaceholder(f"{self._qualname}.{name}")
-
-    def __call__(self, *args, **kwargs):
-        raise ImportError(
-            f"{self._qualname} needs Transformer Engine, which cannot be imported here (not "
-            f"installed, or unusable with this torch build). Install it with: {TE_INSTALL_HINT}"
-        )
-
-    def __repr__(self) -> str:
-        return f"<unavailable {self._qualname}>"
-
-
-_imported_te = te_module()
-HAVE_TE: bool = _imported_te is not None
-te: Any = _imported_te if HAVE_TE else _TEPlaceholder()
-
-
-def _te_version_str() -> str:
-    version = getattr(te, "__version__", None)
-    return str(version) if version is not None else str(get_te_version())
-
-
-def _require_te(what: str, min_version: Optional[str] = None) -> None:
-    """Raises unless TE is importable (ImportError) and at least ``min_version`` (RuntimeError)."""
-    if not HAVE_TE:
-        raise ImportError(
-            f"{what} requires Transformer Engine, which cannot be imported here (not installed, "
-            f"or unusable with this torch build). Install it with: {TE_INSTALL_HINT}"
-        )
-    if min_version is not None and not is_te_min_version(min_version):
-        raise RuntimeError(
-            f"{what} requires Transformer Engine >= {min_version}, found {_te_version_str()}. "
-            f"Upgrade with: pip install --upgrade 'transformer-engine[pytorch]>={min_version}'"
-        )
-
+from mcore_activations.te_import import TEPlaceholder as _TEPlaceholder  # noqa: F401
+from mcore_activations.te_import import require_te as _require_te  # noqa: F401
 
 # ----------------------------------------------------------------------------- the lowering
 
@@ -184,7 +128,7 @@ class TEActivationLowering:
 
     def build(self):
         """Constructs the op from the current ``te`` (looked up now, so tests can patch it)."""
-        return getattr(te.pytorch.ops, self.op_name)(**self.op_kwargs)
+        return getattr(te_import.te.pytorch.ops, self.op_name)(**self.op_kwargs)
 
     def describe(self) -> str:
         """E.g. ``ClampedSwiGLU(alpha=1.0, glu_linear_offset=0.0, limit=10.0)``."""
@@ -394,7 +338,9 @@ def plan_te_activation(
 
     if facts.interleave and (k is not None or facts.scaled):
         kwargs["glu_interleave_size"] = k
-    if facts.cache_quantized_input and is_te_min_version(TE_CACHE_QUANTIZED_INPUT_MIN_VERSION):
+    if facts.cache_quantized_input and te_import.is_te_min_version(
+        TE_CACHE_QUANTIZED_INPUT_MIN_VERSION
+    ):
         kwargs["cache_quantized_input"] = bool(cache_quantized_input)
     return TEActivationLowering(
         spec=spec,
@@ -409,7 +355,7 @@ def _check_te_provides(
     spec: ActivationSpec, path: str, op_name: str, min_version: str, what: str
 ) -> None:
     upgrade = f"Upgrade with: pip install --upgrade 'transformer-engine[pytorch]>={min_version}'."
-    if not HAVE_TE:
+    if not te_import.have_te():
         raise TEVersionError(
             path,
             spec,
@@ -417,18 +363,19 @@ def _check_te_provides(
             "here",
             _or_unfused(f"Install it with: {TE_INSTALL_HINT}"),
         )
-    if not is_te_min_version(min_version):
+    if not te_import.is_te_min_version(min_version):
         raise TEVersionError(
             path,
             spec,
-            f"{what} needs Transformer Engine >= {min_version}, found {_te_version_str()}",
+            f"{what} needs Transformer Engine >= {min_version}, found {te_import.te_version()}",
             upgrade,
         )
-    if not hasattr(te.pytorch.ops, op_name):
+    if not hasattr(te_import.te.pytorch.ops, op_name):
         raise TEVersionError(
             path,
             spec,
-            f"this Transformer Engine build ({_te_version_str()}) has no te.pytorch.ops.{op_name}",
+            f"this Transformer Engine build ({te_import.te_version()}) has no "
+            f"te.pytorch.ops.{op_name}",
             upgrade,
         )
 

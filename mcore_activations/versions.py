@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
-
 import torch
 from packaging.version import Version as PkgVersion
+
+from mcore_activations import te_import
 
 
 def get_torch_version() -> PkgVersion:
@@ -21,29 +20,15 @@ def is_torch_min_version(version: str, check_equality: bool = True) -> bool:
     return get_torch_version() > PkgVersion(version)
 
 
-@functools.cache
 def get_te_version() -> PkgVersion:
-    """Returns the installed Transformer Engine version, or ``0.0.0`` when TE is absent.
+    """Returns the Transformer Engine version in force, or ``0.0.0`` when TE is absent.
 
-    The version is read from ``transformer_engine.__version__`` when TE imports, else from the
-    installed distribution's metadata (so it works on machines where importing TE fails, e.g.
-    CPU-only torch, where ``import transformer_engine`` raises ``RuntimeError``).
+    Read by the TE import seam (``te_import.te_version``): the imported TE's ``__version__``, else
+    the installed distribution's metadata, which works where importing TE fails (CPU-only torch).
     """
-    from mcore_activations.te_import import te_module
-
-    te = te_module()
-    if te is not None and hasattr(te, "__version__"):
-        return PkgVersion(str(te.__version__))
-    for dist in ("transformer-engine", "transformer_engine"):
-        try:
-            return PkgVersion(importlib.metadata.version(dist))
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return PkgVersion("0.0.0")
+    return te_import.te_version()
 
 
 def is_te_min_version(version: str, check_equality: bool = True) -> bool:
     """Whether the installed Transformer Engine is at least ``version``."""
-    if check_equality:
-        return get_te_version() >= PkgVersion(version)
-    return get_te_version() > PkgVersion(version)
+    return te_import.is_te_min_version(version, check_equality)

@@ -28,7 +28,9 @@ from typing import Optional
 
 import torch
 
+from mcore_activations import te_import
 from megatron.core import parallel_state
+from megatron.core.extensions.te_rng import TECudaRNGStatesTracker
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
@@ -169,23 +171,13 @@ def initialize_rng_tracker(
     if _CUDA_RNG_STATE_TRACKER is not None and not force_reset:
         return
     if use_te_rng_tracker:
-        from mcore_activations.te_import import have_te
-
-        tracker_class = None
-        if have_te():
-            try:
-                from megatron.core.extensions.transformer_engine import TECudaRNGStatesTracker
-
-                tracker_class = TECudaRNGStatesTracker
-            except ImportError:
-                pass
-        if tracker_class is None:
+        if not te_import.have_te():
             raise ValueError(
                 "use_te_rng_tracker=True needs Transformer Engine (>= 1.5) and "
                 "megatron.core.extensions.transformer_engine.TECudaRNGStatesTracker; install "
                 "Transformer Engine or leave te_rng_tracker=False."
             )
-        tracker = tracker_class(
+        tracker = TECudaRNGStatesTracker(
             is_inference_rng_tracker=inference_rng_tracker,
             use_cudagraphable_rng=use_cudagraphable_rng,
         )

@@ -5,9 +5,8 @@ formula that shared/spec/te-ops.md gives for the TE op of the same name, written
 table and independently of ``ActivationSpec.reference``. A test can therefore check both *which*
 op a path builds and that the arguments it passes compute the configured activation.
 
-``install_fake_te(monkeypatch, version=...)`` patches the TE module globals (``te``, ``HAVE_TE`` and
-the version check) of ``mcore_activations.te_lowering`` and
-``megatron.core.extensions.transformer_engine``, as upstream's tests patch theirs.
+``install_fake_te(monkeypatch, version=...)`` sets ``te`` and ``HAVE_TE`` of the TE import seam
+(``mcore_activations.te_import``), the one place every TE path and version check reads them.
 """
 
 from __future__ import annotations
@@ -17,10 +16,10 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from packaging.version import Version
 
-import mcore_activations.te_lowering as te_lowering
+import megatron.core.extensions.te_fused_mlp as te_fused_mlp
 import megatron.core.extensions.transformer_engine as te_ext
+from mcore_activations import te_import
 
 QUICK_GELU_ALPHA = 1.702
 
@@ -284,14 +283,9 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
     """Patches the TE module globals with a fake of ``version``; returns the fake."""
     fake = make_fake_te(version, **kwargs)
 
-    def is_te_min_version(v, check_equality=True):
-        found, wanted = Version(fake.__version__), Version(v)
-        return found >= wanted if check_equality else found > wanted
-
-    for module in (te_ext, te_lowering):
-        monkeypatch.setattr(module, "te", fake)
-        monkeypatch.setattr(module, "HAVE_TE", True)
-    monkeypatch.setattr(te_lowering, "is_te_min_version", is_te_min_version)
+    # The one place TE is replaced: the import seam. Its version checks read the fake's version.
+    monkeypatch.setattr(te_import, "te", fake)
+    monkeypatch.setattr(te_import, "HAVE_TE", True)
     # Without TE the module exports its TE-only classes as None, as upstream does; with the fake
     # they are what a TE installation would export.
     for name, cls in te_ext.TE_ONLY_CLASSES.items():
@@ -301,8 +295,7 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
 
 def remove_te(monkeypatch):
     """Patches the TE module globals as if Transformer Engine could not be imported."""
-    for module in (te_ext, te_lowering):
-        monkeypatch.setattr(module, "HAVE_TE", False)
+    monkeypatch.setattr(te_import, "HAVE_TE", False)
 
 
 def run_op(op, x: torch.Tensor, scales=None) -> torch.Tensor:
@@ -380,8 +373,14 @@ class CpuRowLinear(CpuLinear):
 def install_fake_te_with_cpu_linears(monkeypatch, version: str = "2.20.2", **kwargs):
     """:func:`install_fake_te`, and the TE linear wrappers replaced by the CPU linears above, so
     the TE fused classes build and run end to end on a CPU."""
-    monkeypatch.setattr(te_ext, "TELayerNormColumnParallelLinear", CpuLayerNormLinear)
-    monkeypatch.setattr(te_ext, "TEColumnParallelLinear", CpuColumnLinear)
-    monkeypatch.setattr(te_ext, "TERowParallelLinear", CpuRowLinear)
+    linears = dict(
+        TELayerNormColumnParallelLinear=CpuLayerNormLinear,
+        TEColumnParallelLinear=CpuColumnLinear,
+        TERowParallelLinear=CpuRowLinear,
+    )
+    # The fused classes check their linears against te_fused_mlp's names; te_ext re-exports them.
+    for module in (te_ext, te_fused_mlp):
+        for name, cls in linears.items():
+            monkeypatch.setattr(module, name, cls)
     monkeypatch.delenv("FP4_RECIPE", raising=False)
     return install_fake_te(monkeypatch, version, **kwargs)

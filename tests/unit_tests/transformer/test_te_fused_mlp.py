@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import megatron.core.extensions.te_fused_mlp as te_fused_mlp
+import megatron.core.extensions.te_recipes as te_recipes
 import megatron.core.extensions.transformer_engine as te_ext
 from megatron.core.transformer import mlp as mlp_module
 from megatron.core.transformer.activation_spec import (
@@ -285,7 +287,7 @@ def test_te_fused_mlp_refuses_per_token_scale(fake_te):
 def fake_tp_group(monkeypatch, size=2):
     """A stand-in process group of ``size`` ranks that MLP keeps and ``get_pg_size`` reports."""
     group = object()
-    monkeypatch.setattr(te_ext, "get_pg_size", lambda g=None: size if g is group else 1)
+    monkeypatch.setattr(te_fused_mlp, "get_pg_size", lambda g=None: size if g is group else 1)
     monkeypatch.setattr(
         mlp_module, "get_tensor_model_parallel_group_if_none", lambda tp_group, **kw: tp_group
     )
@@ -487,7 +489,7 @@ def test_grouped_refuses_per_token_scale(fake_te, unquantized):
 
 
 def test_recipe_resolution_order(fake_te, monkeypatch):
-    monkeypatch.setattr(te_ext, "_recipe_available", lambda name: (True, ""))
+    monkeypatch.setattr(te_recipes, "_recipe_available", lambda name: (True, ""))
     resolve = te_ext.resolve_fused_recipe
     assert resolve({}) == "mxfp8"  # upstream's default
     assert resolve({"FP4_RECIPE": "nvfp4"}) == "nvfp4"  # upstream's switch

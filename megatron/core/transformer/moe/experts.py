@@ -26,6 +26,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from mcore_activations import te_import
 from mcore_activations.activation_path import (
     FUSED_KERNEL_PATH,
     TE_MODULE_PATH,
@@ -33,21 +34,15 @@ from mcore_activations.activation_path import (
     activate,
     select_activation_path,
 )
-from mcore_activations.activation_spec import (
-    ActivationKind,
-    ActivationSpec,
-)
-from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION, te_module
+from mcore_activations.activation_spec import ActivationKind, ActivationSpec, deinterleave_glu
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
+from mcore_activations.te_lowering import lower_activation_to_te_op
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_size, is_te_min_version
-
-# Module globals, read at call time, so tests can replace them with fakes.
-te = te_module()
-HAVE_TE = te is not None
+from megatron.core.utils import get_pg_size
 
 __all__ = [
     "GroupedMLPSubmodules",
@@ -55,6 +50,13 @@ __all__ = [
     "SequentialMLP",
     "TEGroupedMLP",
 ]
+
+
+def __getattr__(name: str):
+    # Upstream's module globals ``te`` / ``HAVE_TE``, read from the TE import seam on each access.
+    if name in ("te", "HAVE_TE"):
+        return getattr(te_import, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -122,21 +124,9 @@ def _apply_probs_on_input(config, hidden_states, probs):
 
 
 def _remove_glu_interleaving(x: torch.Tensor, glu_interleave_size: int) -> torch.Tensor:
-    """Turns a block-interleaved GLU input into the two-halves layout.
-
-    The last dim of ``x`` holds ``[g_0, u_0, g_1, u_1, ...]`` with blocks of
-    ``glu_interleave_size`` gate (``g``) and linear (``u``) columns; the result holds
-    ``[g_0, g_1, ... | u_0, u_1, ...]``, the layout ``torch.chunk(x, 2, -1)`` splits.
-    """
-    width = x.shape[-1]
-    pairs = width // (2 * glu_interleave_size)
-    if pairs * 2 * glu_interleave_size != width:
-        raise ValueError(
-            f"glu_interleave_size={glu_interleave_size} does not divide the GLU width {width} "
-            "into [gate, linear] block pairs."
-        )
-    blocks = x.unflatten(-1, (pairs, 2, glu_interleave_size))
-    return blocks.transpose(-3, -2).flatten(-3)
+    """Turns a block-interleaved GLU input (``ActivationSpec.glu_interleave_size``) into the
+    two-halves layout that ``torch.chunk(x, 2, -1)`` splits."""
+    return torch.cat(deinterleave_glu(x, glu_interleave_size), dim=-1)
 
 
 def _apply_bias(
@@ -462,13 +452,13 @@ class TEGroupedMLP(MegatronModule):
     def _fused_impl_unsupported_reason(self) -> Optional[str]:
         """Why the op sequence cannot run this configuration, or None when it can."""
         config = self.config
-        if not HAVE_TE:
+        if not te_import.have_te():
             return "Transformer Engine is not available"
-        ops = getattr(te.pytorch, "ops", None)
+        ops = getattr(te_import.te.pytorch, "ops", None)
         if ops is None or not hasattr(ops, "GroupedLinear"):
             return "this Transformer Engine has no te.pytorch.ops.GroupedLinear"
-        if not is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
-            return "the grouped MLP ops need Transformer Engine >= 2.14.0"
+        if not te_import.is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
+            return f"the grouped MLP ops need Transformer Engine >= {TE_GROUPED_OPS_MIN_VERSION}"
         if get_pg_size(self.tp_group) > 1:
             return "expert tensor parallelism is not supported"
         offloaded = set(getattr(config, "offload_modules", None) or ())
@@ -479,7 +469,7 @@ class TEGroupedMLP(MegatronModule):
             return "offloading expert_fc1 / moe_act activations is not supported"
         if config.moe_apply_probs_on_input:
             return "moe_apply_probs_on_input is not supported"
-        grouped_linear = te.pytorch.GroupedLinear
+        grouped_linear = te_import.te.pytorch.GroupedLinear
         if not isinstance(self.linear_fc1, grouped_linear) or not isinstance(
             self.linear_fc2, grouped_linear
         ):
@@ -499,8 +489,6 @@ class TEGroupedMLP(MegatronModule):
 
     def _lower_activation(self):
         """The scaled TE op of this layer's activation (raises if TE has none)."""
-        from megatron.core.extensions.transformer_engine import lower_activation_to_te_op
-
         return lower_activation_to_te_op(
             self.activation_spec.with_interleave(None),
             path=type(self).__name__,
@@ -514,7 +502,7 @@ class TEGroupedMLP(MegatronModule):
         The grouped-linear ops alias the weights (and biases) of fc1 / fc2, so the parameters,
         and the state dict, stay those of this module.
         """
-        ops = te.pytorch.ops
+        ops = te_import.te.pytorch.ops
 
         def grouped_linear(linear, **extra):
             weight0 = linear.weight0

@@ -22,12 +22,21 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from mcore_activations import te_import
 from mcore_activations.activation_spec import (
     ActivationSpec,
-    deinterleave_glu,
-    interleave_glu,
+    fc1_weight_to_blocks,
+    fc1_weight_to_halves,
 )
-from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION, te_module
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
+from mcore_activations.te_lowering import lower_activation_to_te_op
+from megatron.core.extensions.te_linears import TELinear, set_save_original_input
+from megatron.core.extensions.te_recipes import (
+    fused_recipe_autocast,
+    fused_recipe_model_init,
+    make_fused_recipe,
+    resolve_fused_recipe,
+)
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -37,11 +46,14 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import is_te_min_version
 
-# Module globals, read at call time, so tests can replace them with fakes.
-te = te_module()
-HAVE_TE = te is not None
+
+def __getattr__(name: str):
+    # Upstream's module globals ``te`` / ``HAVE_TE``, read from the TE import seam on each access.
+    if name in ("te", "HAVE_TE"):
+        return getattr(te_import, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FusedSharedExpertMLP", "SharedExpertMLP"]
 
@@ -298,29 +310,13 @@ class SharedExpertMLP(MLP):
         fp8 = getattr(config, "fp8", None)
         fp4 = getattr(config, "fp4", None)
         blockwise_fp8 = bool(fp8) and getattr(config, "fp8_recipe", "delayed") != "delayed"
-        wanted = (blockwise_fp8 and is_te_min_version("2.6.0")) or (
-            bool(fp4) and is_te_min_version("2.7.0")
+        wanted = (blockwise_fp8 and te_import.is_te_min_version("2.6.0")) or (
+            bool(fp4) and te_import.is_te_min_version("2.7.0")
         )
         if not wanted or "shared_experts" in (getattr(config, "recompute_modules", None) or ()):
             return
-        from megatron.core.extensions.transformer_engine import TELinear, set_save_original_input
-
         if isinstance(self.linear_fc1, TELinear):
             set_save_original_input(self.linear_fc1)
-
-
-def _fc1_rows_to_halves(module, state_dict, prefix, local_metadata):
-    key = f"{prefix}linear_fc1.weight"
-    if key in state_dict:
-        gate, lin = deinterleave_glu(state_dict[key].t(), module.glu_interleave_size)
-        state_dict[key] = torch.cat([gate, lin], dim=-1).t().contiguous()
-
-
-def _fc1_rows_to_blocks(module, state_dict, prefix, *args):
-    key = f"{prefix}linear_fc1.weight"
-    if key in state_dict:
-        gate, lin = state_dict[key].t().chunk(2, dim=-1)
-        state_dict[key] = interleave_glu(gate, lin, module.glu_interleave_size).t().contiguous()
 
 
 class FusedSharedExpertMLP(SharedExpertMLP):
@@ -367,8 +363,8 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         k = self._glu_interleave_size()
         self.glu_interleave_size = k
         self.activation_spec = self.activation_spec.with_interleave(k)
-        self.register_state_dict_post_hook(_fc1_rows_to_halves)
-        self.register_load_state_dict_pre_hook(_fc1_rows_to_blocks)
+        self.register_state_dict_post_hook(fc1_weight_to_halves)
+        self.register_load_state_dict_pre_hook(fc1_weight_to_blocks)
 
     def _validate_fused_grouped_swiglu(self) -> None:
         """Refuses at construction what the fused op sequence cannot run.
@@ -378,13 +374,14 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         """
         config = self.config
         name = type(self).__name__
-        if not HAVE_TE:
+        if not te_import.have_te():
             raise RuntimeError(
                 f"{name} requires Transformer Engine when use_grouped_gemm_for_shared_expert=True."
             )
-        if not is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
+        if not te_import.is_te_min_version(TE_GROUPED_OPS_MIN_VERSION):
             raise RuntimeError(
-                f"{name} requires Transformer Engine >= 2.14.0 (te.pytorch.ops.GroupedLinear and "
+                f"{name} requires Transformer Engine >= {TE_GROUPED_OPS_MIN_VERSION} "
+                "(te.pytorch.ops.GroupedLinear and "
                 "the scaled GLU ops)."
             )
         if getattr(config, "add_bias_linear", False):
@@ -398,7 +395,7 @@ class FusedSharedExpertMLP(SharedExpertMLP):
                 f"{name} requires moe_shared_expert_glu_interleave_size (the GLU block layout of "
                 "the grouped fc1 weight)."
             )
-        linear_type = te.pytorch.Linear
+        linear_type = te_import.te.pytorch.Linear
         if not isinstance(self.linear_fc1, linear_type) or not isinstance(
             self.linear_fc2, linear_type
         ):
@@ -412,8 +409,6 @@ class FusedSharedExpertMLP(SharedExpertMLP):
 
     def _lower_activation(self):
         """The scaled TE activation op of this layer's activation (raises if TE has none)."""
-        from megatron.core.extensions.transformer_engine import lower_activation_to_te_op
-
         return lower_activation_to_te_op(
             ActivationSpec.from_config(self.config),
             path=type(self).__name__,
@@ -426,7 +421,7 @@ class FusedSharedExpertMLP(SharedExpertMLP):
 
         Each grouped linear has one group and aliases the corresponding TE linear's weight.
         """
-        ops = te.pytorch.ops
+        ops = te_import.te.pytorch.ops
 
         def grouped_linear(linear, glu_interleave_size=None):
             out_features, in_features = linear.weight.shape
@@ -457,22 +452,12 @@ class FusedSharedExpertMLP(SharedExpertMLP):
     def _quantization_recipe(self):
         # One recipe policy for every TE grouped fused class (resolve_fused_recipe): the config's
         # te_fused_recipe, else FP4_RECIPE, else MXFP8; "none" runs unquantized (e.g. on SM90).
-        from megatron.core.extensions.transformer_engine import (
-            make_fused_recipe,
-            resolve_fused_recipe,
-        )
-
         if self._recipe is None:
             name = resolve_fused_recipe(self.config, path=type(self).__name__)
             self._recipe = (make_fused_recipe(name),)
         return self._recipe[0]
 
     def _recipe_context(self, kind: str):
-        from megatron.core.extensions.transformer_engine import (
-            fused_recipe_autocast,
-            fused_recipe_model_init,
-        )
-
         recipe = self._quantization_recipe()
         return fused_recipe_model_init(recipe) if kind == "init" else fused_recipe_autocast(recipe)
 

@@ -63,7 +63,7 @@ KERNELS = [
         "name": "te-fused-mlps",
         "sources": [
             "mcore_activations/te_lowering.py",
-            "megatron/core/extensions/transformer_engine.py",
+            "megatron/core/extensions/te_fused_mlp.py",
         ],
         "tests": [f"{_REPLAY}::test_cuda_te_fused_mlp_replay_bitwise"],
         "kind": "transformer-engine",

@@ -6,8 +6,6 @@ Transformer Engine's GroupedLinear needs a GPU, so the grouped linears here are
 op-sequence path is checked structurally with fake ``te`` objects; its numerics are GPU-tier.
 """
 
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron.core.transformer.moe.experts as experts_module
+from mcore_activations import te_import
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.activation_spec import (
     ActivationSpec,
@@ -386,7 +385,7 @@ def test_inference_grouped_mlp_computes_the_same(pg):
 
 
 def test_op_fuser_without_te_is_refused(pg, monkeypatch):
-    monkeypatch.setattr(experts_module, "HAVE_TE", False)
+    monkeypatch.setattr(te_import, "HAVE_TE", False)
     with pytest.raises(AssertionError, match="Fused GroupedMLP is not supported"):
         build("swiglu", torch.float32, UNFUSED, pg, use_transformer_engine_op_fuser=True)
 
@@ -419,14 +418,12 @@ def fake_te(monkeypatch):
             raise UnsupportedActivationError(path, spec, "no scaled SiTU-GLU op", "Unfuse it.")
         return _FakeScaledOp()
 
-    extension = types.ModuleType("megatron.core.extensions.transformer_engine")
-    extension.lower_activation_to_te_op = lower_activation_to_te_op
-    monkeypatch.setitem(sys.modules, extension.__name__, extension)
+    monkeypatch.setattr(experts_module, "lower_activation_to_te_op", lower_activation_to_te_op)
     ops = SimpleNamespace(GroupedLinear=_FakeGroupedLinearOp, Sequential=_FakeSequential)
-    te = SimpleNamespace(pytorch=SimpleNamespace(GroupedLinear=LocalGroupedLinear, ops=ops))
-    monkeypatch.setattr(experts_module, "te", te)
-    monkeypatch.setattr(experts_module, "HAVE_TE", True)
-    monkeypatch.setattr(experts_module, "is_te_min_version", lambda version: True)
+    pytorch = SimpleNamespace(GroupedLinear=LocalGroupedLinear, ops=ops)
+    # One place to replace TE: the import seam (its version checks read the fake's version).
+    monkeypatch.setattr(te_import, "te", SimpleNamespace(__version__="2.20.2", pytorch=pytorch))
+    monkeypatch.setattr(te_import, "HAVE_TE", True)
     monkeypatch.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
     return lowered
 

@@ -5,14 +5,13 @@ construction are checked with fake ``te`` objects, as upstream's tests do.
 """
 
 import contextlib
-import sys
-import types
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import megatron.core.transformer.moe.shared_experts as shared_experts_module
+from mcore_activations import te_import
 from megatron.core.extensions.transformer_engine import TEFusedRecipeError
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -289,22 +288,25 @@ def fake_te(monkeypatch):
             raise UnsupportedActivationError(path, spec, "no scaled TE op", "Use SwiGLU.")
         return _FakeActivationOp()
 
-    extension = types.ModuleType("megatron.core.extensions.transformer_engine")
-    extension.lower_activation_to_te_op = lower_activation_to_te_op
-    extension.resolve_fused_recipe = lambda config, path: "none"
-    extension.make_fused_recipe = lambda name: None
-    extension.fused_recipe_model_init = lambda recipe: contextlib.nullcontext()
-    extension.fused_recipe_autocast = lambda recipe: contextlib.nullcontext()
-    monkeypatch.setitem(sys.modules, extension.__name__, extension)
+    replacements = dict(
+        lower_activation_to_te_op=lower_activation_to_te_op,
+        resolve_fused_recipe=lambda config, path: "none",
+        make_fused_recipe=lambda name: None,
+        fused_recipe_model_init=lambda recipe: contextlib.nullcontext(),
+        fused_recipe_autocast=lambda recipe: contextlib.nullcontext(),
+    )
+    for name, replacement in replacements.items():
+        monkeypatch.setattr(shared_experts_module, name, replacement)
     te = SimpleNamespace(
+        __version__="2.20.2",
         pytorch=SimpleNamespace(
             Linear=torch.nn.Module,
             ops=SimpleNamespace(GroupedLinear=_FakeGroupedLinear, Sequential=_FakeSequential),
-        )
+        ),
     )
-    monkeypatch.setattr(shared_experts_module, "te", te)
-    monkeypatch.setattr(shared_experts_module, "HAVE_TE", True)
-    monkeypatch.setattr(shared_experts_module, "is_te_min_version", lambda version: True)
+    # One place to replace TE: the import seam (its version checks read the fake's version).
+    monkeypatch.setattr(te_import, "te", te)
+    monkeypatch.setattr(te_import, "HAVE_TE", True)
     return lowered
 
 
@@ -315,13 +317,13 @@ def _fused_config(entry="swiglu_clamp", **extra):
 
 
 def test_fused_shared_expert_requires_te(pg, monkeypatch):
-    monkeypatch.setattr(shared_experts_module, "HAVE_TE", False)
+    monkeypatch.setattr(te_import, "HAVE_TE", False)
     with pytest.raises(RuntimeError, match="requires Transformer Engine"):
         FusedSharedExpertMLP(_fused_config(), submodules(), gate=False, pg_collection=pg)
 
 
 def test_fused_shared_expert_requires_te_2_14(pg, monkeypatch, fake_te):
-    monkeypatch.setattr(shared_experts_module, "is_te_min_version", lambda version: False)
+    monkeypatch.setattr(te_import.te, "__version__", "2.13.0")
     with pytest.raises(RuntimeError, match="2.14"):
         FusedSharedExpertMLP(_fused_config(), submodules(), gate=False, pg_collection=pg)
 
@@ -432,8 +434,6 @@ def test_fused_shared_expert_resolves_its_recipe_at_construction(pg, fake_te, mo
     def refuse(config, path):
         raise TEFusedRecipeError(f"{path}: the 'mxfp8' recipe cannot run on this machine")
 
-    monkeypatch.setattr(
-        sys.modules["megatron.core.extensions.transformer_engine"], "resolve_fused_recipe", refuse
-    )
+    monkeypatch.setattr(shared_experts_module, "resolve_fused_recipe", refuse)
     with pytest.raises(ValueError, match="FusedSharedExpertMLP: the 'mxfp8' recipe"):
         FusedSharedExpertMLP(_fused_config(), submodules(), gate=False, pg_collection=pg)

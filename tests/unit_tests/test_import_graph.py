@@ -1,0 +1,173 @@
+"""The project's modules import one another without a cycle, and the activation ladder points down.
+
+The graph is drawn from the source with ``ast`` (nothing is imported): every ``import`` and
+``from ... import`` of a module of ``megatron/`` or ``mcore_activations/``, at any depth of the
+file, function-local ones included (a local import hides a cycle, it does not remove it). Imports
+under ``if TYPE_CHECKING:`` are left out: they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("megatron", "mcore_activations")
+
+# Cycles that exist on purpose, each with its reason. The test below also fails when one of them
+# is gone, so the entry is removed with the cycle.
+ALLOWED_CYCLES = {
+    # utils' tensor-parallel-group fallback reads parallel_state at call time, and parallel_state
+    # builds its global memory buffer from utils.GlobalMemoryBuffer, as upstream's two modules do.
+    frozenset({"megatron.core.parallel_state", "megatron.core.utils"}),
+}
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the project's packages."""
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack.extend(child.orelse)
+                continue
+            stack.append(child)
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a name imported from a package counts as the
+    submodule of that name when there is one, else as the package)."""
+
+    def owner(name: str):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in files.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(owner(alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in files else owner(base))
+        targets.discard(None)
+        targets.discard(module)
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, successors = work[-1]
+            advanced = False
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph.get(succ, ())))))
+                    advanced = True
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(frozenset(component))
+    return found
+
+
+GRAPH = import_graph(module_files())
+
+
+def test_no_import_cycle():
+    found = set(cycles(GRAPH))
+    unexpected = [sorted(c) for c in found - ALLOWED_CYCLES]
+    assert not unexpected, f"import cycles among the project's modules: {unexpected}"
+    stale = [sorted(c) for c in ALLOWED_CYCLES - found]
+    assert not stale, f"ALLOWED_CYCLES lists cycles that no longer exist: {stale}"
+
+
+# The activation ladder (docs/activations.md): each rung imports only the project modules listed.
+LADDER = {
+    "mcore_activations.fusions.kernel_params": set(),
+    "mcore_activations.te_import": set(),
+    "mcore_activations.activations": {
+        "mcore_activations.jit",
+        "mcore_activations.fusions.kernel_params",
+    },
+    "mcore_activations.activation_spec": {"mcore_activations.activations"},
+    "megatron.core.tensor_parallel.random": {
+        "megatron.core.parallel_state",
+        "megatron.core.tensor_parallel.utils",
+        "megatron.core.utils",
+        "megatron.core.extensions.te_rng",
+        "mcore_activations.te_import",
+    },
+}
+
+
+@pytest.mark.parametrize("module", sorted(LADDER))
+def test_ladder_rung_imports_only_below(module):
+    extra = GRAPH[module] - LADDER[module]
+    assert not extra, f"{module} imports {sorted(extra)}, above it on the ladder"
+
+
+def test_graph_sees_local_imports(tmp_path):
+    # Teeth: a cycle closed only by a function-local import is found; a TYPE_CHECKING one is not.
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "mcore_activations").mkdir()
+    (tmp_path / "megatron" / "a.py").write_text("import megatron.b\n")
+    (tmp_path / "megatron" / "b.py").write_text("def f():\n    from megatron import a\n")
+    (tmp_path / "megatron" / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import megatron.a\n"
+    )
+    (tmp_path / "megatron" / "d.py").write_text("from . import c\n")
+    graph = import_graph(module_files(tmp_path))
+    assert cycles(graph) == [frozenset({"megatron.a", "megatron.b"})]
+    assert graph["megatron.c"] == set()
+    assert graph["megatron.d"] == {"megatron.c"}
