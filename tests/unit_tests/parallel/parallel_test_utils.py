@@ -19,6 +19,12 @@ Shard layouts (the ones the fork's linears use):
 - ``COLS``: a row-parallel fc2 weight, rank ``r`` keeps columns slice ``r``;
 - ``REPLICATED``: every rank holds the whole tensor (fc2 bias, the shared-expert gate).
 
+Layouts (:class:`Layout`) name a world's TP / EP / expert-TP split; a test's cases carry their
+layout's name first, and :func:`run_cases` spawns one world per world size (2 and 4 gloo ranks
+on CPU, 2, 4 and 8 NCCL ranks on GPUs) and rebuilds ``parallel_state`` once per layout. The
+world sizes become pytest parameters (:func:`gloo_world_params`, :func:`nccl_world_params`):
+an NCCL world skips with fewer GPUs than ranks, the 4-rank gloo world is opt-in (``ranks4``).
+
 Each case runs inside ``case_result``, which turns an exception into a traceback string, so one
 broken case does not hide the others of the same spawned world: :func:`report_all` lists every
 failed case with its rank's traceback.
@@ -26,16 +32,20 @@ failed case with its rank's traceback.
 
 from __future__ import annotations
 
+import functools
 import traceback
 import warnings
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional
 
+import pytest
 import torch
 
+import megatron.core.parallel_state as ps
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
-from tests.unit_tests.test_utilities import run_distributed, to_cpu
+from tests.unit_tests.test_utilities import _launched_world_size, run_distributed, to_cpu
 from tests.unit_tests.tolerances import assert_close_to_reference, max_rel_error
 from tests.unit_tests.transformer.mlp_test_utils import PRE_ACTIVATION_STD, assert_clamps_active
 
@@ -44,7 +54,6 @@ from tests.unit_tests.transformer.mlp_test_utils import PRE_ACTIVATION_STD, asse
 ENTRIES = ["swiglu", "swiglu_clamp", "situ_glu", "quick_geglu_gpt_oss"]
 
 DTYPE = torch.float32  # layers run in fp32; the reference in float64
-TP = 2
 
 ROWS_GLU, ROWS, COLS, REPLICATED = "rows_glu", "rows", "cols", "replicated"
 
@@ -71,6 +80,83 @@ def quiet(factory: Callable, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return factory(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------- parallel layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way of splitting a world: dense TP size, expert EP and expert-TP sizes.
+
+    The dense layers are data parallel over ``world / tp`` replicas (each replica gets its own
+    input, the weights are the same); every layout here has one expert-data-parallel replica
+    (``ep * etp == world``), so the experts of one world hold one model.
+    """
+
+    name: str
+    world: int
+    tp: int
+    ep: int
+    etp: int
+
+    def __post_init__(self):
+        assert self.world % self.tp == 0 and self.ep * self.etp == self.world, self
+
+
+# World size 2 (the CPU tier and the 2-GPU tier).
+TP2 = Layout("tp2", world=2, tp=2, ep=1, etp=2)
+EP2 = Layout("ep2", world=2, tp=1, ep=2, etp=1)
+ETP2 = Layout("etp2", world=2, tp=1, ep=1, etp=2)
+# World size 4. "tp4": the experts take the dense split too (ETP=4, upstream's default).
+TP4 = Layout("tp4", world=4, tp=4, ep=1, etp=4)
+EP4 = Layout("ep4", world=4, tp=1, ep=4, etp=1)
+TP2XEP2 = Layout("tp2xep2", world=4, tp=2, ep=2, etp=2)  # 2 dense replicas; experts 2 x 2
+# World size 8: EP=8 with expert-TP=1; the dense layers at TP=2 in 4 replicas (MoE "parallel
+# folding": the experts' split is independent of the dense one).
+TP2XEP8 = Layout("tp2xep8", world=8, tp=2, ep=8, etp=1)
+
+LAYOUTS = {layout.name: layout for layout in (TP2, EP2, ETP2, TP4, EP4, TP2XEP2, TP2XEP8)}
+
+# World sizes of the spawned tests. gloo (CPU) stops at 4 ranks: 8 CPU processes are too many
+# for the CI machines; 4 are opt-in (marker ``ranks4``, see conftest.py).
+GLOO_WORLDS = (2, 4)
+NCCL_WORLDS = (2, 4, 8)
+
+
+def world_id(world_size: int) -> str:
+    """The pytest id of a world size (``-k 4ranks`` selects the 4-rank worlds)."""
+    return f"{world_size}ranks"
+
+
+def gloo_world_params() -> list:
+    """``world_size`` parameters of a gloo test: 2 ranks by default, 4 behind ``ranks4``."""
+    return [
+        pytest.param(n, id=world_id(n), marks=[pytest.mark.ranks4] if n > 2 else [])
+        for n in GLOO_WORLDS
+    ]
+
+
+def nccl_world_params() -> list:
+    """``world_size`` parameters of an NCCL test, each skipped below ``n`` visible GPUs."""
+    return [
+        pytest.param(n, id=world_id(n), marks=pytest.mark.multigpu(num_gpus=n)) for n in NCCL_WORLDS
+    ]
+
+
+def init_layout(layout: Layout, device: str) -> None:
+    """(Re)builds ``parallel_state``'s groups for ``layout`` on the running world."""
+    assert torch.distributed.get_world_size() == layout.world, (layout, "world size")
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+    )
+    if device == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
 
 
 # ------------------------------------------------------------------------------ full weights
@@ -269,8 +355,6 @@ def report_all(results: Optional[dict], case_ids: list) -> None:
     One pytest test covers all cases of a spawned world: under pytest-xdist a module-scoped
     fixture would spawn the world once per xdist worker, so the cases are not separate tests.
     """
-    import pytest
-
     assert results is not None, "the distributed run returned no results"
     missing = [case for case in case_ids if case not in results]
     assert not missing, f"cases that did not run: {missing}"
@@ -294,18 +378,69 @@ def report_all(results: Optional[dict], case_ids: list) -> None:
         pytest.skip(f"every case skipped: {results[case_ids[0]]['skip']}")
 
 
-def run_cases(worker: Callable, world_size: int, cases: list, case_ids: list, backend: str):
-    """Runs ``worker(rank, world_size, cases, device)`` on a spawned world; reports every case.
+def _run_world(
+    rank: int,
+    world_size: int,
+    cases: list,
+    device: str,
+    case_id: Callable,
+    compute: Callable,
+    check: Callable,
+) -> dict:
+    """One rank's part of :func:`run_cases`: every case, its layout's groups built first.
+
+    ``compute(case, device)`` returns this rank's fields (``tensors`` and its coordinates);
+    ``check(case, per_rank)`` compares every rank's fields with the reference. Each case's
+    check runs on every rank; the merged result reports a failure on any rank.
+    """
+    results, current = {}, None
+    for case in cases:
+        layout = LAYOUTS[case[0]]
+        if layout != current:  # cases come grouped by layout: one set of groups per layout
+            init_layout(layout, device)
+            current = layout
+        local = case_result(functools.partial(compute, case, device))
+        # Always gathered, also after an error on this rank, so the ranks stay in step.
+        per_rank = gather_objects(local)
+        failed = [r for r in per_rank if r["error"] is not None or r["skip"]]
+        if failed:
+            results[case_id(case)] = failed[0]
+        else:
+            results[case_id(case)] = case_result(functools.partial(check, case, per_rank))
+    return merge_rank_results(gather_objects(results))
+
+
+def run_cases(
+    cases: list,
+    world_size: int,
+    backend: str,
+    *,
+    case_id: Callable,
+    compute: Callable,
+    check: Callable,
+) -> None:
+    """Runs ``cases`` (layout name first) on a spawned ``world_size`` world; reports each.
 
     gloo runs on the CPU; nccl on one GPU per rank, with more time (the first fused case of each
-    world compiles its kernels).
+    world compiles its kernels). ``compute`` and ``check`` must be module-level functions (they
+    are pickled into the spawned ranks); see :func:`_run_world`.
     """
+    assert cases and all(LAYOUTS[case[0]].world == world_size for case in cases), world_size
+    launched = _launched_world_size()
+    if backend == "nccl" and launched is not None and launched != world_size:
+        # Every launched rank would spawn its own world on the same GPUs.
+        pytest.skip(
+            f"needs a {world_size}-rank world; this process is one of {launched} torchrun "
+            f"ranks: run it without torchrun (it spawns one rank per GPU) or with "
+            f"--nproc-per-node {world_size}"
+        )
     device = "cpu" if backend == "gloo" else "cuda"
     results = run_distributed(
-        worker,
+        _run_world,
         world_size=world_size,
-        args=(cases, device),
-        timeout_s=240 if backend == "gloo" else 500,
+        args=(cases, device, case_id, compute, check),
+        # gloo: the ranks share the CPU cores, so a larger world takes longer.
+        timeout_s=240 * world_size // 2 if backend == "gloo" else 500,
         backend=backend,
     )
-    report_all(results, case_ids)
+    report_all(results, [case_id(case) for case in cases])

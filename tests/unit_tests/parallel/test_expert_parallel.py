@@ -1,17 +1,26 @@
-"""Expert parallelism (EP=2) and expert tensor parallelism (ETP=2) of the routed-expert classes.
+"""Expert parallelism (EP) and expert tensor parallelism (ETP) of the routed-expert classes.
 
 The token dispatcher is not part of this fork, so each case plays its part: every rank receives
 the tokens of its own experts, already permuted (sorted by expert) with one router probability
-per token, as the dispatcher delivers them; the outputs and gradients of both ranks are gathered
+per token, as the dispatcher delivers them; the outputs and gradients of all ranks are gathered
 and compared with a float64 single-process model holding ALL experts
 (``p * (fc2(act(fc1(x))) + b2)`` per expert, ``ActivationSpec.reference``).
 
-- EP=2: ``NUM_EXPERTS`` experts, disjoint halves per rank (rank r holds experts
-  ``r * L .. r * L + L - 1``); expert fc1/fc2 do no communication.
-- ETP=2 (EP=1): every rank holds every expert, split like a column/row-parallel pair (a gated
-  fc1 as ``[gate_r; linear_r]``); each rank's output and input gradient are partial sums, which
-  the dispatcher's combine (reduce-scatter) and its backward (all-gather) would sum; the test
-  sums them. Expert biases are refused with ETP > 1 (config rule), so ETP cases have none.
+Layouts (``parallel_test_utils.Layout``; every one has a single expert-data-parallel replica):
+
+- EP only (EP=2, 4, 8): ``NUM_EXPERTS`` experts, disjoint blocks per rank (EP rank e holds
+  experts ``e * L .. e * L + L - 1``); expert fc1/fc2 do no communication. Outputs and
+  gradients are concatenated in expert order.
+- ETP only (ETP=2; ETP=4 in the "tp4" layout): every rank holds every expert, split like a
+  column/row-parallel pair (a gated fc1 as ``[gate_r; linear_r]``); each rank's output and input
+  gradient are partial sums, which the dispatcher's combine (reduce-scatter) and its backward
+  (all-gather) would sum; the test sums them.
+- EP=2 x ETP=2 (4 ranks): both at once: partial sums over each EP rank's ETP group, then
+  concatenated over EP.
+
+Expert biases are refused with ETP > 1 (config rule), so those cases have none. The token
+counts (:data:`TOKENS_PER_EXPERT`) are uneven and leave some experts, and at EP=4 and EP=8
+whole ranks, without tokens.
 
 Classes: :class:`SequentialMLP` (fork linears; CPU tier on gloo and multi-GPU tier on NCCL) and
 :class:`TEGroupedMLP` with TE's grouped linears (multi-GPU tier, ``te``), activation unfused or
@@ -38,14 +47,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.parallel.parallel_test_utils import (
     DTYPE,
     ENTRIES,
+    EP2,
+    EP4,
+    ETP2,
+    LAYOUTS,
+    NCCL_WORLDS,
+    TP2XEP2,
+    TP2XEP8,
+    TP4,
     Checker,
     activation_kwargs,
-    case_result,
     full_mlp_weights,
-    gather_objects,
+    gloo_world_params,
     load_,
-    merge_rank_results,
     mlp_layout,
+    nccl_world_params,
     quiet,
     real_parameters,
     reference_mlp,
@@ -56,46 +72,41 @@ from tests.unit_tests.parallel.parallel_test_utils import (
 )
 from tests.unit_tests.transformer.mlp_test_utils import COMPILED, FUSED, UNFUSED, kernel_mode
 
-WORLD = 2
 HIDDEN, EXPERT_FFN = 16, 16
-NUM_EXPERTS = 4
-TOKENS_PER_EXPERT = [5, 0, 7, 3]  # uneven, one expert without tokens
-EP, ETP = "ep2", "etp2"
+NUM_EXPERTS = 8
+# Uneven; experts 1, 4 and 5 get no tokens, which leaves whole ranks without tokens at EP=4
+# (rank 2) and EP=8 (ranks 1, 4 and 5).
+TOKENS_PER_EXPERT = [5, 0, 7, 3, 0, 0, 6, 4]
+assert len(TOKENS_PER_EXPERT) == NUM_EXPERTS
 
 LOCAL_KINDS = ("sequential",)
 TE_KINDS = ("grouped_te",)
+EXPERT_LAYOUTS = (EP2, ETP2, TP4, EP4, TP2XEP2, TP2XEP8)
 
 
-def _cases(kinds) -> list:
-    """``(kind, entry, path, layout)`` tuples."""
+def cases_of(world_size: int, kinds) -> list:
+    """``(layout, kind, entry, path)`` tuples, grouped by layout."""
     return [
-        (kind, entry, path, layout)
+        (layout.name, kind, entry, path)
+        for layout in EXPERT_LAYOUTS
+        if layout.world == world_size
         for kind in kinds
-        for layout in (EP, ETP)
         for entry in ENTRIES
         for path in (UNFUSED, FUSED)
     ]
 
 
 def case_id(case) -> str:
-    return "-".join(case)
-
-
-CPU_CASES = _cases(LOCAL_KINDS)
-GPU_CASES = _cases(LOCAL_KINDS + TE_KINDS)
-
-
-def _sizes(layout: str) -> tuple[int, int]:
-    """``(expert_model_parallel_size, expert_tensor_parallel_size)``."""
-    return (WORLD, 1) if layout == EP else (1, WORLD)
+    layout, kind, entry, path = case
+    return "-".join((kind, entry, path, layout))
 
 
 # ------------------------------------------------------------------------------ one case
 
 
 def _config(case, device) -> TransformerConfig:
-    kind, entry, path, layout = case
-    ep, etp = _sizes(layout)
+    layout, kind, entry, path = case
+    layout = LAYOUTS[layout]
     kwargs = activation_kwargs(entry)
     kwargs.update(
         num_layers=1,
@@ -105,23 +116,23 @@ def _config(case, device) -> TransformerConfig:
         num_moe_experts=NUM_EXPERTS,
         moe_ffn_hidden_size=EXPERT_FFN,
         moe_grouped_gemm=kind in TE_KINDS,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         use_cpu_initialization=device == "cpu",
         params_dtype=DTYPE,
-        add_bias_linear=etp == 1,  # config rule: no expert bias with expert TP
+        add_bias_linear=layout.etp == 1,  # config rule: no expert bias with expert TP
         bias_activation_fusion=path != UNFUSED,
     )
     return quiet(TransformerConfig, **kwargs)
 
 
 def _build(case, config, device):
-    kind, _entry, _path, layout = case
-    ep, _etp = _sizes(layout)
+    kind = case[1]
     pg = ProcessGroupCollection(
         ep=ps.get_expert_model_parallel_group(), expt_tp=ps.get_expert_tensor_parallel_group()
     )
-    local = NUM_EXPERTS // ep
+    local = NUM_EXPERTS // LAYOUTS[case[0]].ep
     if kind in TE_KINDS:
         from megatron.core.extensions.transformer_engine import (
             TEColumnParallelGroupedLinear,
@@ -152,7 +163,7 @@ def _global_name(kind: str, name: str, first_expert: int) -> str:
 def _inputs(case):
     """Full float64 weights of all experts, tokens, probabilities, output gradient."""
     generator = torch.Generator().manual_seed(seed_of(case_id(case)))
-    bias = _sizes(case[3])[1] == 1
+    bias = LAYOUTS[case[0]].etp == 1
     weights = {}
     for expert in range(NUM_EXPERTS):
         weights.update(
@@ -177,14 +188,16 @@ def _expert_rows(first: int, count: int) -> slice:
     return slice(start, start + sum(TOKENS_PER_EXPERT[first : first + count]))
 
 
-def _compute(case, device: str) -> dict:
-    kind, _entry, path, layout = case
-    ep, etp = _sizes(layout)
+def compute(case, device: str) -> dict:
+    """Runs ``case`` on this rank; returns its output and gradients, and where it sits."""
+    layout, kind, _entry, path = case
+    layout = LAYOUTS[layout]
+    assert ps.get_expert_data_parallel_world_size() == 1, "one expert-data-parallel replica"
+    ep_rank, etp_rank = ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     config = _config(case, device)
     layer = _build(case, config, device)
-    local = NUM_EXPERTS // ep
-    first = ps.get_expert_model_parallel_rank() * local
-    etp_rank = ps.get_expert_tensor_parallel_rank()
+    local = NUM_EXPERTS // layout.ep
+    first = ep_rank * local
     weights, x_full, probs_full, grad_full = _inputs(case)
 
     params = real_parameters(layer)
@@ -193,7 +206,7 @@ def _compute(case, device: str) -> dict:
     assert set(names.values()) == expected, f"{sorted(names.values())} != {sorted(expected)}"
     for name, param in params.items():
         full = weights[names[name]]
-        load_(param, shard(full, mlp_layout(name, gated=True), etp_rank, etp))
+        load_(param, shard(full, mlp_layout(name, gated=True), etp_rank, layout.etp))
 
     rows = _expert_rows(first, local)
     x = x_full[rows].to(device, DTYPE).requires_grad_()
@@ -209,11 +222,12 @@ def _compute(case, device: str) -> dict:
         out.backward(grad)
     tensors = {"out": out, "dx": x.grad, "dprobs": probs.grad}
     tensors.update({f"d{names[name]}": param.grad for name, param in params.items()})
-    return {"tensors": tensors}
+    return {"tensors": tensors, "ep_rank": ep_rank, "etp_rank": etp_rank}
 
 
-def _check(case, per_rank: list) -> dict:
-    layout = case[3]
+def check(case, per_rank: list) -> dict:
+    """Every EP rank's results (summed over its ETP group) against the all-experts reference."""
+    layout = LAYOUTS[case[0]]
     weights, x_full, probs_full, grad_full = _inputs(case)
     spec = ActivationSpec.from_config(_config(case, "cpu"))
     reference = {name: w.clone().requires_grad_() for name, w in weights.items()}
@@ -229,73 +243,70 @@ def _check(case, per_rank: list) -> dict:
     out_ref = torch.cat(pieces)
     out_ref.backward(grad_full)
 
-    check = Checker(case_id(case))
-    check.clamps(spec, torch.cat(pres))
+    # groups[e][t]: the tensors of EP rank e, expert-TP rank t.
+    groups = [[None] * layout.etp for _ in range(layout.ep)]
+    for result in per_rank:
+        assert groups[result["ep_rank"]][result["etp_rank"]] is None, "two ranks, one place"
+        groups[result["ep_rank"]][result["etp_rank"]] = result["tensors"]
+
+    checker = Checker(case_id(case))
+    checker.clamps(spec, torch.cat(pres))
+    how = {
+        (True, False): "gathered over EP",
+        (False, True): "partial sums over ETP",
+        (True, True): "ETP partial sums, gathered over EP",
+    }[layout.ep > 1, layout.etp > 1]
     for key, ref, name in (
         ("out", out_ref, "output"),
         ("dx", x64.grad, "input grad"),
         ("dprobs", probs64.grad, "probs grad"),
     ):
-        parts = [tensors[key] for tensors in per_rank]
-        if layout == EP:
-            check(f"{name} (gathered over EP)", torch.cat(parts), ref)
-        else:
-            check(f"{name} (partial sums over ETP)", sum(parts), ref)
+        # sum() of one tensor is that tensor (0 + t): no ETP, no sum.
+        got = torch.cat([sum(tensors[key] for tensors in group) for group in groups])
+        checker(f"{name} ({how})", got, ref)
+    local = NUM_EXPERTS // layout.ep
     for name in weights:
-        owners = [tensors[f"d{name}"] for tensors in per_rank if f"d{name}" in tensors]
-        if layout == EP:
-            assert len(owners) == 1, f"{name} held by {len(owners)} EP ranks, expected 1"
-            got = owners[0]
-        else:
-            got = unshard(owners, mlp_layout(name, gated=True))
-        check(f"d{name}", got, reference[name].grad)
-    return {"worst": check.worst()}
-
-
-def _run_case(case, device: str) -> dict:
-    ep, etp = _sizes(case[3])
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=1,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp,
-    )
-    if device == "cuda":
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    local = case_result(lambda: _compute(case, device))
-    per_rank = gather_objects(local)  # always, so the ranks stay in step
-    failed = [r for r in per_rank if r["error"] is not None or r["skip"]]
-    if failed:
-        return failed[0]
-    return case_result(lambda: _check(case, [r["tensors"] for r in per_rank]))
-
-
-def _expert_parallel_worker(rank: int, world_size: int, cases: list, device: str) -> dict:
-    assert world_size == WORLD
-    # Cases grouped by layout: parallel_state is rebuilt per case, which is cheap.
-    results = {case_id(case): _run_case(case, device) for case in cases}
-    return merge_rank_results(gather_objects(results))
+        group = groups[int(name.split(".")[1]) // local]  # the EP rank holding this expert
+        owners = [tensors[f"d{name}"] for tensors in group if f"d{name}" in tensors]
+        assert len(owners) == layout.etp, f"{name} held by {len(owners)} ranks"
+        checker(f"d{name}", unshard(owners, mlp_layout(name, gated=True)), reference[name].grad)
+    return {"worst": checker.worst()}
 
 
 # ------------------------------------------------------------------------------- the tests
 
 
-def _run(cases: list, backend: str) -> None:
-    run_cases(_expert_parallel_worker, WORLD, cases, [case_id(case) for case in cases], backend)
+def _run(world_size: int, kinds, backend: str) -> None:
+    cases = cases_of(world_size, kinds)
+    run_cases(cases, world_size, backend, case_id=case_id, compute=compute, check=check)
 
 
-def test_experts_match_all_experts_gloo():
-    _run(CPU_CASES, "gloo")
+def test_every_world_builds_its_configs():
+    """Every case's config is valid, also those of worlds this machine cannot spawn."""
+    for world_size in NCCL_WORLDS:
+        cases = cases_of(world_size, LOCAL_KINDS + TE_KINDS)
+        assert cases, world_size
+        for case in cases:
+            config = _config(case, "cpu")
+            layout = LAYOUTS[case[0]]
+            assert (config.expert_model_parallel_size, config.expert_tensor_parallel_size) == (
+                layout.ep,
+                layout.etp,
+            )
+            assert NUM_EXPERTS % layout.ep == 0 and EXPERT_FFN % layout.etp == 0
 
 
-@pytest.mark.multigpu
-def test_experts_match_all_experts_nccl():
-    _run([case for case in GPU_CASES if case[0] not in TE_KINDS], "nccl")
+@pytest.mark.parametrize("world_size", gloo_world_params())
+def test_experts_match_all_experts_gloo(world_size):
+    _run(world_size, LOCAL_KINDS, "gloo")
 
 
-@pytest.mark.multigpu
+@pytest.mark.parametrize("world_size", nccl_world_params())
+def test_experts_match_all_experts_nccl(world_size):
+    _run(world_size, LOCAL_KINDS, "nccl")
+
+
 @pytest.mark.te
-def test_experts_match_all_experts_nccl_te():
-    _run([case for case in GPU_CASES if case[0] in TE_KINDS], "nccl")
+@pytest.mark.parametrize("world_size", nccl_world_params())
+def test_experts_match_all_experts_nccl_te(world_size):
+    _run(world_size, TE_KINDS, "nccl")
