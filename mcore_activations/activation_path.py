@@ -2,8 +2,9 @@
 
 A layer (``MLP``, the routed experts, the shared experts; the fork's classes and, through
 ``mcore_activations.megatron_patch``, upstream's) turns its config into an
-:class:`ActivationSpec`, asks :func:`select_activation_path` once which path computes it, and
-calls :func:`activate` on every forward:
+:class:`ActivationSpec`, asks :func:`select_layer_activation` (or, for a layer that already holds
+its callable, :func:`select_activation_path`) once which path computes it, and calls
+:func:`activate` on every forward:
 
 - **Transformer Engine module** (``use_te_activation_func`` with a TE activation builder): TE's
   activation module. It takes no clamp, tanh scale or offset, so such a spec is refused.
@@ -18,13 +19,14 @@ All three compute what :meth:`ActivationSpec.reference` defines.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from mcore_activations.activation_spec import (
     ActivationSpec,
     UnsupportedActivationError,
+    deinterleave_glu,
     unfused_activation,
 )
 from mcore_activations.fusions.fused_activation import fused_activation, lower_to_fused_kernel
@@ -73,6 +75,50 @@ def select_activation_path(
         lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
         return FUSED_KERNEL_PATH
     return UNFUSED_PATH
+
+
+class LayerActivation(NamedTuple):
+    """What :func:`select_layer_activation` decided for a layer."""
+
+    path: str  # TE_MODULE_PATH, FUSED_KERNEL_PATH or UNFUSED_PATH
+    activation_func: Callable  # the TE module on TE_MODULE_PATH, else the configured callable
+    fp8_input_store: bool  # the fused kernels keep their saved input in FP8
+
+
+def select_layer_activation(
+    config,
+    spec: ActivationSpec,
+    owner: str,
+    *,
+    te_module_factory: Optional[Callable[[], Callable]] = None,
+    fused_kernel_opt_in: bool = False,
+) -> LayerActivation:
+    """The one path selector of ``MLP``, the routed experts and the shared experts.
+
+    Reads every activation field the path needs from ``config`` once: a config edited after the
+    layer is built changes nothing about what the layer computes or saves.
+
+    Args:
+        config: The layer's config (path flags, ``activation_func``,
+            ``activation_func_fp8_input_store``).
+        spec: The activation to compute (``ActivationSpec.from_config``).
+        owner: The layer's class name, used in error messages.
+        te_module_factory: Builds the TE activation module the layer's submodules name; None
+            when they name none.
+        fused_kernel_opt_in: The layer runs the fused kernels even without
+            ``bias_activation_fusion`` (upstream's ``use_fused_weighted_squared_relu``).
+
+    Raises:
+        UnsupportedActivationError: The selected path cannot compute ``spec``.
+    """
+    path = select_activation_path(config, spec, te_module_factory is not None, owner)
+    if path == UNFUSED_PATH and fused_kernel_opt_in:
+        lower_to_fused_kernel(spec, owner)
+        path = FUSED_KERNEL_PATH
+    func = te_module_factory() if path == TE_MODULE_PATH else config.activation_func
+    return LayerActivation(
+        path, func, bool(getattr(config, "activation_func_fp8_input_store", False))
+    )
 
 
 def per_token_probs(per_token_scale: Optional[torch.Tensor], x: torch.Tensor):
@@ -131,6 +177,9 @@ def activate(
     if bias is not None:
         x = x + bias
     if path == TE_MODULE_PATH:
+        if spec.glu_interleave_size is not None:
+            # TE's GLU modules read the two-halves layout.
+            x = torch.cat(deinterleave_glu(x, spec.glu_interleave_size), dim=-1)
         out = activation_func(x)
         return (out * probs).to(out.dtype) if probs is not None else out
     return unfused_activation(x, spec, activation_func, probs=probs)

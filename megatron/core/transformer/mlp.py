@@ -11,7 +11,9 @@ cannot compute is refused at construction. Every path computes what
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -24,6 +26,7 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
     activate,
     per_token_probs,
     select_activation_path,
+    select_layer_activation,
 )
 from mcore_activations.activation_spec import ActivationSpec
 from mcore_activations.te_import import have_te
@@ -51,6 +54,13 @@ class MLPSubmodules:
     linear_fc1: Union[ModuleSpec, type, None] = None
     linear_fc2: Union[ModuleSpec, type, None] = None
     activation_func: Union[ModuleSpec, type, None] = None
+
+
+def te_activation_factory(submodules, config) -> Optional[Callable[[], torch.nn.Module]]:
+    """Builds the TE activation module ``submodules`` name (None when they name none)."""
+    if submodules.activation_func is None:
+        return None
+    return functools.partial(build_module, submodules.activation_func, config=config)
 
 
 def _child_name(name: Optional[str], child: str) -> Optional[str]:
@@ -149,17 +159,14 @@ class MLP(MegatronModule):
         )
 
         self.activation_spec = ActivationSpec.from_config(config)
-        has_builder = submodules.activation_func is not None
-        self.activation_path = select_activation_path(
-            config, self.activation_spec, has_builder, type(self).__name__
+        self.activation_path, self.activation_func, self._activation_fp8_input_store = (
+            select_layer_activation(
+                config,
+                self.activation_spec,
+                type(self).__name__,
+                te_module_factory=te_activation_factory(submodules, config),
+            )
         )
-        if self.activation_path == TE_MODULE_PATH:
-            self.activation_func = build_module(submodules.activation_func, config=config)
-        else:
-            self.activation_func = config.activation_func
-        # Every activation field is read once, here: a config edited after the layer is built
-        # changes nothing about what the layer computes or saves (docs/activations.md).
-        self._activation_fp8_input_store = bool(config.activation_func_fp8_input_store)
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,

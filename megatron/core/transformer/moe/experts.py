@@ -27,18 +27,12 @@ from typing import Any, Optional, Union
 import torch
 
 from mcore_activations import te_import
-from mcore_activations.activation_path import (
-    FUSED_KERNEL_PATH,
-    TE_MODULE_PATH,
-    UNFUSED_PATH,
-    activate,
-    select_activation_path,
-)
+from mcore_activations.activation_path import activate, select_layer_activation
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec, deinterleave_glu
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from mcore_activations.te_lowering import lower_activation_to_te_op
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name
+from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name, te_activation_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -339,18 +333,15 @@ class TEGroupedMLP(MegatronModule):
         self.activation_spec = ActivationSpec.from_config(
             config, glu_interleave_size=self.glu_interleave_size
         )
-        has_builder = submodules.activation_func is not None
-        self.activation_path = select_activation_path(
-            config, self.activation_spec, has_builder, type(self).__name__
+        self.activation_path, self.activation_func, self._activation_fp8_input_store = (
+            select_layer_activation(
+                config,
+                self.activation_spec,
+                type(self).__name__,
+                te_module_factory=te_activation_factory(submodules, config),
+                fused_kernel_opt_in=self._uses_fused_weighted_squared_relu(),
+            )
         )
-        if self.activation_path == UNFUSED_PATH and self._uses_fused_weighted_squared_relu():
-            self.activation_path = FUSED_KERNEL_PATH
-        if self.activation_path == TE_MODULE_PATH:
-            self.activation_func = build_module(submodules.activation_func, config=config)
-        else:
-            self.activation_func = config.activation_func
-        # Every activation field is read once, here (docs/activations.md).
-        self._activation_fp8_input_store = bool(config.activation_func_fp8_input_store)
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
@@ -427,20 +418,13 @@ class TEGroupedMLP(MegatronModule):
         self, x: torch.Tensor, bias: Optional[torch.Tensor], probs: torch.Tensor
     ) -> torch.Tensor:
         """The activation of fc1's output, weighted by ``probs`` (``[tokens, 1]``)."""
-        func = self.activation_func
-        k = self.glu_interleave_size
-        if self.activation_path == TE_MODULE_PATH and k is not None:
-            # TE's GLU modules read the two-halves layout.
-            def func(y, module=self.activation_func):
-                return module(_remove_glu_interleaving(y, k))
-
         return activate(
             x,
             bias,
             probs,
             spec=self.activation_spec,
             path=self.activation_path,
-            activation_func=func,
+            activation_func=self.activation_func,
             fp8_input_store=self._activation_fp8_input_store,
         )
 
