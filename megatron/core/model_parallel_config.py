@@ -1,18 +1,70 @@
 """Parallelism and precision settings shared by every megatron.core module."""
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megatron.core.config_feature_fields import (
+    ModelParallelFeatureFields,
+    check_feature_field_choices,
+    feature_fields_enabled,
+    warn_unimplemented_features,
+)
+
+
+def resolve_tensor_parallel_weight_shards(
+    tensor_model_parallel_size: int,
+    tensor_parallel_num_weight_shards: Optional[int],
+    gtp_weight_remat_size: int,
+    shards_field: str = "tensor_parallel_num_weight_shards",
+    tp_field: str = "tensor_model_parallel_size",
+) -> tuple:
+    """Reconciles the total weight-shard count with the GTP weight-rematerialisation size.
+
+    A weight is split ``tensor_model_parallel_size * gtp_weight_remat_size`` ways. The shard
+    count, when given, decides: ``gtp_weight_remat_size = shards // tensor_model_parallel_size``.
+    When None it is derived from the other two. Calling it again on its result changes nothing.
+
+    Args:
+        tensor_model_parallel_size: The tensor-parallel size (or expert tensor-parallel size).
+        tensor_parallel_num_weight_shards: Total shards per weight, or None.
+        gtp_weight_remat_size: The rematerialisation size used when the shard count is None.
+        shards_field: Name of the shard-count option, for error messages.
+        tp_field: Name of the tensor-parallel size option, for error messages.
+
+    Returns:
+        ``(tensor_parallel_num_weight_shards, gtp_weight_remat_size)``, consistent.
+
+    Raises:
+        ValueError: The shard count is below, or not a multiple of, the tensor-parallel size.
+    """
+    tp = tensor_model_parallel_size
+    if tensor_parallel_num_weight_shards is None:
+        return tp * gtp_weight_remat_size, gtp_weight_remat_size
+    if tensor_parallel_num_weight_shards < tp:
+        raise ValueError(
+            f"{shards_field} ({tensor_parallel_num_weight_shards}) must be >= {tp_field} ({tp}): "
+            "each tensor-parallel rank holds at least one shard."
+        )
+    if tensor_parallel_num_weight_shards % tp:
+        raise ValueError(
+            f"{shards_field} ({tensor_parallel_num_weight_shards}) must be divisible by "
+            f"{tp_field} ({tp}); use a multiple of it."
+        )
+    return tensor_parallel_num_weight_shards, tensor_parallel_num_weight_shards // tp
+
 
 @dataclass
-class ModelParallelConfig:
+class ModelParallelConfig(ModelParallelFeatureFields):
     """Model-parallel layout, initialization and precision settings.
 
-    Only the fields the MLP / MoE-expert stack reads are modelled; names and defaults follow
-    upstream megatron-core.
+    The fields below are the ones the MLP / MoE-expert stack reads. Every other upstream field
+    (schedules, communication overlap, offloading...) is accepted too, with upstream's name, type
+    and default, from ``ModelParallelFeatureFields``; setting one warns once that this fork does
+    not implement it (``megatron.core.config_feature_fields``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -70,7 +122,17 @@ class ModelParallelConfig:
     cpu_offloading_activations: bool = True
     """With ``cpu_offloading``, offload activations (feeds the fused SwiGLU's offload flag)."""
 
+    def _feature_field_classes(self) -> tuple:
+        """The feature-field bases of this config class (extended by subclasses)."""
+        return (ModelParallelFeatureFields,)
+
     def __post_init__(self):
+        # Checked before anything below derives a value, so "enabled" means "set by the user".
+        feature_classes = self._feature_field_classes()
+        warn_unimplemented_features(
+            type(self).__name__, feature_fields_enabled(self, feature_classes)
+        )
+
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
             raise ValueError("Cannot use sequence parallelism without tensor parallelism")
         if self.pipeline_model_parallel_size != 1:
@@ -80,3 +142,66 @@ class ModelParallelConfig:
             )
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+
+        _, self.gtp_weight_remat_size = resolve_tensor_parallel_weight_shards(
+            self.tensor_model_parallel_size,
+            self.tensor_parallel_num_weight_shards,
+            self.gtp_weight_remat_size,
+        )
+        _, self.expert_gtp_weight_remat_size = resolve_tensor_parallel_weight_shards(
+            self.expert_tensor_parallel_size,
+            self.expert_tensor_parallel_num_weight_shards,
+            self.expert_gtp_weight_remat_size,
+            shards_field="expert_tensor_parallel_num_weight_shards",
+            tp_field="expert_tensor_parallel_size",
+        )
+        if self.autocast_dtype is None:
+            self.autocast_dtype = self.params_dtype
+        if self.microbatch_group_size_per_vp_stage is None:
+            self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
+        self._check_schedule_options()
+        # Last, so that upstream's own checks (and their exception types) fire first.
+        check_feature_field_choices(self, (ModelParallelFeatureFields,))
+
+    def _check_schedule_options(self):
+        """Upstream's value rules for the schedule options (accepted, not implemented here)."""
+        if self.cross_entropy_loss_fusion and self.cross_entropy_fusion_impl == "te":
+            warnings.warn(
+                "cross_entropy_fusion_impl='te' with cross_entropy_loss_fusion: Transformer "
+                "Engine's fused cross entropy has known stability issues; use 'native'.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.defer_embedding_wgrad_compute:
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError(
+                    "defer_embedding_wgrad_compute=True needs pipeline parallelism "
+                    "(pipeline_model_parallel_size > 1); leave it False."
+                )
+            if not self.gradient_accumulation_fusion:
+                raise ValueError(
+                    "defer_embedding_wgrad_compute=True needs gradient_accumulation_fusion=True."
+                )
+            if self.wgrad_deferral_limit < 0:
+                raise ValueError(
+                    f"wgrad_deferral_limit={self.wgrad_deferral_limit} must be >= 0 when "
+                    "defer_embedding_wgrad_compute is enabled."
+                )
+        if (
+            self.expert_model_parallel_size > 1
+            and self.tensor_model_parallel_size > 1
+            and not self.sequence_parallel
+        ):
+            warnings.warn(
+                "Expert parallelism with tensor parallelism needs sequence_parallel=True for "
+                "training (as upstream).",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.overlap_p2p_comm_warmup_flush and (
+            not self.overlap_p2p_comm or self.batch_p2p_comm
+        ):
+            raise ValueError(
+                "overlap_p2p_comm_warmup_flush=True works with overlap_p2p_comm=True and "
+                "batch_p2p_comm=False only."
+            )

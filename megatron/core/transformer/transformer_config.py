@@ -21,7 +21,15 @@ from mcore_activations.activation_spec import (
     is_positive_finite_float32,
 )
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
+from megatron.core.config_feature_fields import (
+    ModelParallelFeatureFields,
+    check_feature_field_choices,
+)
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.transformer_feature_fields import (
+    TransformerFeatureFields,
+    apply_transformer_feature_rules,
+)
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -102,12 +110,18 @@ def _check_field_types(config) -> None:
 
 
 @dataclass
-class TransformerConfig(ModelParallelConfig):
+class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
     """Configuration of a transformer layer's MLP and MoE experts.
 
     Field names, defaults and validation follow upstream megatron-core. The activation fields are
     turned into one ``ActivationSpec`` (``megatron.core.transformer.activation_spec``) that every
     MLP path lowers or refuses; no module reads them directly to choose math.
+
+    The fields declared here are the ones the MLP / MoE-expert stack reads. Every other upstream
+    field (attention, pipeline split, recomputation, routing, CUDA graphs, inference...) is
+    accepted with upstream's name, type and default from ``TransformerFeatureFields``, checked by
+    upstream's value rules, and reported once with ``UnimplementedFeatureWarning`` when set
+    (``megatron.core.config_feature_fields``).
     """
 
     # ---- model shape ----
@@ -274,9 +288,13 @@ class TransformerConfig(ModelParallelConfig):
     FusedSharedExpertMLP): "mxfp8", "nvfp4" or "none" (unquantized, the same math as the unfused
     MLP; the only choice on GPUs older than SM100). None: env ``FP4_RECIPE``, else "mxfp8"."""
 
+    def _feature_field_classes(self) -> tuple:
+        return (ModelParallelFeatureFields, TransformerFeatureFields)
+
     def __post_init__(self):
         _check_field_types(self)
         super().__post_init__()
+        apply_transformer_feature_rules(self)
 
         if self.num_attention_heads and self.num_attention_heads % self.tensor_model_parallel_size:
             raise ValueError(
@@ -308,6 +326,8 @@ class TransformerConfig(ModelParallelConfig):
             self.output_layer_init_method = scaled_init_method_normal(
                 self.init_method_std, self.num_layers
             )
+        # Last, so that upstream's own checks (and their exception types) fire first.
+        check_feature_field_choices(self, (TransformerFeatureFields,))
 
     # ------------------------------------------------------------------ MoE
     def _validate_moe(self):
