@@ -34,6 +34,7 @@ from mcore_activations.activation_spec import (
     ActivationSpec,
     UnsupportedActivationError,
 )
+from mcore_activations.reference_mlp import reference_experts, reference_mlp
 
 MATCH_RTOL = 1e-5  # norm-relative error of fp32 GEMMs and fp32 activation math vs float64
 # Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
@@ -138,12 +139,13 @@ def _fc1_input(fc1, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_reference(layer, x: torch.Tensor, probs=None) -> torch.Tensor:
-    spec = ActivationSpec.from_config(layer.config)
-    h = _fc1_input(layer.linear_fc1, x) @ layer.linear_fc1.weight.double().t()
-    a = spec.reference(h)
-    if probs is not None:
-        a = a * probs.double().unsqueeze(-1)
-    return a @ layer.linear_fc2.weight.double().t()
+    return reference_mlp(
+        _fc1_input(layer.linear_fc1, x),
+        layer.linear_fc1.weight.double(),
+        layer.linear_fc2.weight.double(),
+        ActivationSpec.from_config(layer.config),
+        probs=None if probs is None else probs.double(),
+    )
 
 
 def _build_mlp(config, submodules, cls=None):
@@ -226,14 +228,14 @@ def path_te_grouped(fields, *, fused, device):
         return layer(x, split, probs)[0]
 
     def reference(x):
-        parts, start = [], 0
-        for i, n in enumerate(split.tolist()):
-            w1 = getattr(layer.linear_fc1, f"weight{i}").double()
-            w2 = getattr(layer.linear_fc2, f"weight{i}").double()
-            a = spec.reference(x[start : start + n] @ w1.t()) * probs[start : start + n, None]
-            parts.append(a.double() @ w2.t())
-            start += n
-        return torch.cat(parts)
+        experts = [
+            dict(
+                fc1_weight=getattr(layer.linear_fc1, f"weight{i}").double(),
+                fc2_weight=getattr(layer.linear_fc2, f"weight{i}").double(),
+            )
+            for i in range(EXPERTS)
+        ]
+        return reference_experts(x, split.tolist(), experts, spec, probs.double())
 
     return layer, run, reference
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from mcore_activations import activations
 from mcore_activations.activation_spec import ActivationSpec
 from mcore_activations.fusions.fused_bias_geglu import quick_gelu
+from mcore_activations.reference_mlp import at_precision, reference_experts, reference_mlp
 
 HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
 
@@ -91,11 +92,6 @@ class Cell:
 
 
 # ----------------------------------------------------------------------------- references
-def _linear(x, weight, bias=None):
-    out = x @ weight.t()
-    return out + bias if bias is not None else out
-
-
 def _norm(x, params, prefix, config):
     weight = params.get(f"{prefix}layer_norm_weight")
     if weight is None:
@@ -109,46 +105,45 @@ def _norm(x, params, prefix, config):
     return F.layer_norm(x, (x.shape[-1],), weight, bias, config.layernorm_epsilon)
 
 
-def _at_layer_precision(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``h`` rounded to ``dtype`` in value, with the float64 gradient (straight through).
-
-    A bf16 layer applies its activation to fc1's output rounded to bf16. Near a clamp edge that
-    rounding decides which side an element lies on, and with it the element's gradient (0 or
-    not): compared with the activation of the unrounded float64 pre-activations, a correct bf16
-    layer shows errors of 10-40 % in the clamped gradients. The reference therefore evaluates
-    the activation where the layer does: at the rounded pre-activations.
-    """
-    if dtype in (torch.float64, torch.float32):
-        return h
-    return h + (h.to(dtype).double() - h).detach()
-
-
 def _layer_dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
+def _fc1_at(bias, dtype):
+    # The activation sees fc1's output (bias included) rounded as the layer rounds it
+    # (reference_mlp.at_precision): near a clamp edge the rounding decides the gradient.
+    def at(h):
+        return at_precision(h if bias is None else h + bias, dtype)
+
+    return at
+
+
 def _mlp_reference(params, x, spec, config, prefix="", probs=None, dtype=torch.float64):
-    h = _norm(x, params, f"{prefix}linear_fc1.", config)
-    h = _linear(h, params[f"{prefix}linear_fc1.weight"], params.get(f"{prefix}linear_fc1.bias"))
-    h = spec.reference(_at_layer_precision(h, dtype), probs=probs)
-    out = _linear(h, params[f"{prefix}linear_fc2.weight"])
-    bias = params.get(f"{prefix}linear_fc2.bias")
-    if bias is not None:
-        out = out + (bias * probs if probs is not None else bias)
-    return out
+    return reference_mlp(
+        _norm(x, params, f"{prefix}linear_fc1.", config),
+        params[f"{prefix}linear_fc1.weight"],
+        params[f"{prefix}linear_fc2.weight"],
+        spec,
+        fc2_bias=params.get(f"{prefix}linear_fc2.bias"),
+        probs=probs,
+        at=_fc1_at(params.get(f"{prefix}linear_fc1.bias"), dtype),
+    )
 
 
 def _grouped_reference(params, x, spec, config, tokens_per_expert, probs, dtype=torch.float64):
-    outs, start = [], 0
-    for i, n in enumerate(tokens_per_expert):
-        rows = slice(start, start + n)
-        start += n
-        h = _linear(x[rows], params[f"linear_fc1.weight{i}"], params.get(f"linear_fc1.bias{i}"))
-        h = spec.reference(_at_layer_precision(h, dtype), probs=probs[rows])
-        out = _linear(h, params[f"linear_fc2.weight{i}"])
-        bias = params.get(f"linear_fc2.bias{i}")
-        outs.append(out + bias * probs[rows] if bias is not None else out)
-    return torch.cat(outs)
+    experts = [
+        dict(
+            fc1_weight=params[f"linear_fc1.weight{i}"],
+            fc2_weight=params[f"linear_fc2.weight{i}"],
+            fc2_bias=params.get(f"linear_fc2.bias{i}"),
+        )
+        for i in range(len(tokens_per_expert))
+    ]
+
+    def at(i, h):
+        return _fc1_at(params.get(f"linear_fc1.bias{i}"), dtype)(h)
+
+    return reference_experts(x, tokens_per_expert, experts, spec, probs, at)
 
 
 # ----------------------------------------------------------------------------- paths
@@ -277,7 +272,7 @@ def _ref_shared(params, x, module, probs, tpe):
     out = _mlp_reference(
         params, x, module.activation_spec, module.config, dtype=_layer_dtype(module)
     )
-    return out * torch.sigmoid(_linear(x, params["gate_weight"]))
+    return out * torch.sigmoid(x @ params["gate_weight"].T)
 
 
 def _ref_sequential(params, x, module, probs, tpe):

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from mcore_activations.fusions.activation_ops import use_compiled_kernels
+from mcore_activations.reference_mlp import straight_through
 from megatron.core.transformer.activation_spec import ActivationSpec, deinterleave_glu
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import CONFIGS
@@ -109,14 +110,8 @@ def leaf64(tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return tensor.detach().double().requires_grad_()
 
 
-def anchored(value64: torch.Tensor, layer_value: Optional[torch.Tensor]) -> torch.Tensor:
-    """``value64`` with the value of ``layer_value`` but the gradient of ``value64``.
-
-    Used for bf16 only (see the module docstring); returns ``value64`` when there is no anchor.
-    """
-    if layer_value is None:
-        return value64
-    return value64 + (layer_value.detach().double() - value64).detach()
+# A float64 value with the layer's value (bf16 only, see the module docstring).
+anchored = straight_through
 
 
 def capture_output(module: torch.nn.Module) -> dict:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import mcore_activations.activation_path as activation_path
 import megatron.core.transformer.mlp as mlp_module
+from mcore_activations.reference_mlp import reference_mlp
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -120,17 +121,25 @@ def check_mlp_against_reference(mlp: MLP, dtype, path, with_scale, seed=0, rows=
     params = dict(mlp.named_parameters())
     ref = {name: leaf64(p) for name, p in params.items()}
     x64, scale64 = leaf64(x), leaf64(scale)
-    pre = x64 @ ref["linear_fc1.weight"].T
-    if dtype != torch.float32:
-        assert_close_to_reference(fc1_output["out"], pre, dtype, f"{what} fc1 output")
-        pre = anchored(pre, fc1_output["out"])
     fc1_bias = ref.get("linear_fc1.bias")
-    assert_clamps_active(spec, pre if fc1_bias is None else pre + fc1_bias)
-    act = spec.reference(pre, bias=fc1_bias, probs=scale64)
-    expected = act @ ref["linear_fc2.weight"].T
-    if "linear_fc2.bias" in ref:
-        fc2_bias = ref["linear_fc2.bias"]
-        expected = expected + (fc2_bias if scale64 is None else fc2_bias * scale64.unsqueeze(-1))
+
+    def at(pre):
+        if dtype != torch.float32:
+            assert_close_to_reference(fc1_output["out"], pre, dtype, f"{what} fc1 output")
+            pre = anchored(pre, fc1_output["out"])
+        assert_clamps_active(spec, pre if fc1_bias is None else pre + fc1_bias)
+        return pre
+
+    expected = reference_mlp(
+        x64,
+        ref["linear_fc1.weight"],
+        ref["linear_fc2.weight"],
+        spec,
+        fc1_bias=fc1_bias,
+        fc2_bias=ref.get("linear_fc2.bias"),
+        probs=scale64,
+        at=at,
+    )
     expected.backward(grad.double())
 
     assert_close_to_reference(total, expected, dtype, f"{what} output")

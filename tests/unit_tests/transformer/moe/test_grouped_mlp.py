@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import megatron.core.transformer.moe.experts as experts_module
 from mcore_activations import te_import
+from mcore_activations.reference_mlp import reference_experts
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.activation_spec import (
     ActivationSpec,
@@ -206,27 +207,28 @@ def check_against_reference(layer: TEGroupedMLP, dtype, path, seed=0):
     params = dict(layer.named_parameters())
     ref = {name: leaf64(p) for name, p in params.items()}
     x64, probs64 = leaf64(x), leaf64(probs)
-    pre = []
-    for index, x_i in enumerate(torch.split(x64, TOKENS_PER_EXPERT)):
-        h = x_i @ ref[f"linear_fc1.weight{index}"].T
-        if f"linear_fc1.bias{index}" in ref:
-            h = h + ref[f"linear_fc1.bias{index}"]
-        pre.append(h)
-    pre = torch.cat(pre)
-    if dtype != torch.float32:
-        assert_close_to_reference(fc1_output["out"], pre, dtype, f"{what} fc1 output")
-        pre = anchored(pre, fc1_output["out"])
-    assert_clamps_active(spec, pre)
-    act = spec.reference(pre, probs=probs64)
-    pieces = []
-    for index, (a_i, p_i) in enumerate(
-        zip(torch.split(act, TOKENS_PER_EXPERT), torch.split(probs64, TOKENS_PER_EXPERT))
-    ):
-        y = a_i @ ref[f"linear_fc2.weight{index}"].T
-        if f"linear_fc2.bias{index}" in ref:
-            y = y + ref[f"linear_fc2.bias{index}"] * p_i.unsqueeze(-1)
-        pieces.append(y)
-    expected = torch.cat(pieces)
+    layer_fc1 = torch.split(fc1_output["out"], TOKENS_PER_EXPERT)
+    pre_activations = []
+
+    def at(index, pre):
+        bias = ref.get(f"linear_fc1.bias{index}")  # fc1 adds it: the anchor includes it
+        pre = pre if bias is None else pre + bias
+        if dtype != torch.float32:
+            assert_close_to_reference(layer_fc1[index], pre, dtype, f"{what} fc1 output")
+            pre = anchored(pre, layer_fc1[index])
+        pre_activations.append(pre)
+        return pre
+
+    experts = [
+        dict(
+            fc1_weight=ref[f"linear_fc1.weight{index}"],
+            fc2_weight=ref[f"linear_fc2.weight{index}"],
+            fc2_bias=ref.get(f"linear_fc2.bias{index}"),
+        )
+        for index in range(len(TOKENS_PER_EXPERT))
+    ]
+    expected = reference_experts(x64, TOKENS_PER_EXPERT, experts, spec, probs64, at)
+    assert_clamps_active(spec, torch.cat(pre_activations))
     expected.backward(grad.double())
 
     assert_close_to_reference(out, expected, dtype, f"{what} output")

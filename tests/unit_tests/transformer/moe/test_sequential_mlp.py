@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mcore_activations.reference_mlp import reference_mlp
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import FUSED_KERNEL_PATH, MLP, UNFUSED_PATH, MLPSubmodules
@@ -82,18 +83,17 @@ def randomize_(experts: SequentialMLP, dtype, seed: int) -> None:
 
 def reference_expert(expert_params, x64, probs64, spec, fc1_anchor, probs_on_input=False):
     """One expert in float64: ``p * fc2(act(fc1(x)))`` (fc2 bias included)."""
-    pre = x64 @ expert_params["linear_fc1.weight"].T
-    pre = anchored(pre, fc1_anchor)
-    fc1_bias = expert_params.get("linear_fc1.bias")
-    if probs_on_input:
-        act = spec.reference(pre, bias=fc1_bias)
-        out = act @ expert_params["linear_fc2.weight"].T
-        return out + expert_params.get("linear_fc2.bias", 0.0)
-    act = spec.reference(pre, bias=fc1_bias, probs=probs64)
-    out = act @ expert_params["linear_fc2.weight"].T
-    if "linear_fc2.bias" in expert_params:
-        out = out + expert_params["linear_fc2.bias"] * probs64.unsqueeze(-1)
-    return out
+    return reference_mlp(
+        x64,
+        expert_params["linear_fc1.weight"],
+        expert_params["linear_fc2.weight"],
+        spec,
+        fc1_bias=expert_params.get("linear_fc1.bias"),
+        fc2_bias=expert_params.get("linear_fc2.bias"),
+        # With the probabilities on the input, x64 already carries them.
+        probs=None if probs_on_input else probs64,
+        at=lambda pre: anchored(pre, fc1_anchor),
+    )
 
 
 def check_against_reference(experts: SequentialMLP, dtype, path, seed=0, probs_on_input=False):

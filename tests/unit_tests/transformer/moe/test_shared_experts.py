@@ -12,6 +12,7 @@ import torch
 
 import megatron.core.transformer.moe.shared_experts as shared_experts_module
 from mcore_activations import te_import
+from mcore_activations.reference_mlp import reference_mlp
 from megatron.core.extensions.transformer_engine import TEFusedRecipeError
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -104,12 +105,15 @@ def check_against_reference(layer: SharedExpertMLP, dtype, path, seed=0):
     params = dict(layer.named_parameters())
     ref = {name: leaf64(p) for name, p in params.items()}
     x64 = leaf64(x)
-    pre = x64 @ ref["linear_fc1.weight"].T
-    if dtype != torch.float32:
-        assert_close_to_reference(fc1_output["out"], pre, dtype, f"{what} fc1 output")
-        pre = anchored(pre, fc1_output["out"])
-    assert_clamps_active(spec, pre)
-    expected = spec.reference(pre) @ ref["linear_fc2.weight"].T
+
+    def at(pre):
+        if dtype != torch.float32:
+            assert_close_to_reference(fc1_output["out"], pre, dtype, f"{what} fc1 output")
+            pre = anchored(pre, fc1_output["out"])
+        assert_clamps_active(spec, pre)
+        return pre
+
+    expected = reference_mlp(x64, ref["linear_fc1.weight"], ref["linear_fc2.weight"], spec, at=at)
     if "gate_weight" in ref:
         expected = expected * torch.sigmoid(x64 @ ref["gate_weight"].T)
     expected.backward(grad.double())
