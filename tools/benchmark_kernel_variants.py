@@ -18,8 +18,6 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``tiles``: the Triton kernels' launch shape (tile elements, warps, widest column block) for
   forward and backward, unweighted and weighted, gated and not: the sweep behind the constants
   in ``triton_kernels``.
-- ``stages``: the Triton kernels with and without software pipelining (``num_stages``), raw
-  forward and backward, for gated and non-gated kinds, unweighted and weighted.
 - ``path``: where the time of a whole forward+backward through ``fused_activation`` goes: the
   raw kernels next to the full autograd path, and a profiler table of every CUDA kernel the
   path launches (finds work around the kernels, e.g. copies or reductions).
@@ -232,7 +230,7 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     return row
 
 
-STAGE_CASES = TILE_CASES | {
+PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
 }
@@ -249,28 +247,16 @@ def _raw_inputs(spec, weighted, rows, ffn, dtype):
     return x, grad, probs, params, copy_fwd, copy_bwd
 
 
-def bench_stages(spec, weighted, rows, ffn, dtype):
-    """Raw Triton forward / backward time over the copy floor for num_stages 1, 2 and 3."""
-    from mcore_activations.fusions import triton_kernels as tk
-
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
-    x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
-    saved = tk._NUM_STAGES
-    row = {}
-    try:
-        for stages in (1, 2, 3):
-            tk._NUM_STAGES = stages
-            t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
-            row[f"fwd stages={stages}"] = t / copy_fwd
-            t = time_ms(lambda: tk.triton_backward(variant, grad, x, None, probs, params))
-            row[f"bwd stages={stages}"] = t / copy_bwd
-    finally:
-        tk._NUM_STAGES = saved
-    return row
-
-
 def bench_path(spec, weighted, rows, ffn, dtype):
-    """Raw kernels against the whole autograd path, and the path's CUDA kernels (profiler)."""
+    """Raw kernels against the whole autograd path: GPU time, host time, allocations, kernels.
+
+    ``host us`` is the wall time per call of 50 calls with one synchronisation at the end: when
+    it exceeds the GPU time, the path is bound by its host side at this shape. ``device allocs``
+    counts the caching allocator's cudaMalloc calls during those calls (each one can
+    synchronise the device).
+    """
+    import time
+
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
 
@@ -289,16 +275,26 @@ def bench_path(spec, weighted, rows, ffn, dtype):
         tk.triton_forward(variant, x, None, probs, params)
         tk.triton_backward(variant, grad, x, None, probs, params)
 
-    row = {
-        "raw fwd+bwd": time_ms(raw) / (copy_fwd + copy_bwd),
-        "path fwd+bwd": time_ms(fwd_bwd) / (copy_fwd + copy_bwd),
-    }
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    row = {}
+    for label, fn in (("raw", raw), ("path", fwd_bwd)):
+        row[f"{label} f+b / floor"] = time_ms(fn) / (copy_fwd + copy_bwd)
+        torch.cuda.synchronize()
+        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        start = time.perf_counter()
+        for _ in range(50):
+            fn()
+        host = (time.perf_counter() - start) / 50
+        torch.cuda.synchronize()
+        row[f"{label} host us"] = host * 1e6
+        allocs = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
+        row[f"{label} device allocs"] = allocs
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(10):
             fwd_bwd()
         torch.cuda.synchronize()
-    print(f"\nCUDA kernels of 10 forward+backward calls, {rows} x {ffn}, weighted={weighted}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    print(f"\n10 forward+backward calls of {spec.name}, {rows} x {ffn}, weighted={weighted}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     return row
 
 
@@ -373,7 +369,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = ["compile", "layout", "tiles", "stages", "path", "host", "all"]
+    experiments = ["compile", "layout", "tiles", "path", "host", "all"]
     parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -398,14 +394,9 @@ def main(argv=None):
             n: bench_tiles(s, w, args.rows, args.ffn, dtype) for n, (s, w) in TILE_CASES.items()
         }
         _print_table("Triton launch shapes: tile/warps/max column block", results["tiles"])
-    if args.experiment in ("stages", "all"):
-        results["stages"] = {
-            n: bench_stages(s, w, args.rows, args.ffn, dtype) for n, (s, w) in STAGE_CASES.items()
-        }
-        _print_table("Triton software pipelining (num_stages)", results["stages"])
     if args.experiment in ("path", "all"):
         results["path"] = {
-            n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in STAGE_CASES.items()
+            n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
         }
         _print_table("raw kernels vs the autograd path", results["path"])
     if args.experiment in ("host", "all"):

@@ -390,9 +390,6 @@ _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
 _MAX_BLOCK_N = 1024
-# No software pipelining: the kernels stream each element once, so there is nothing to prefetch,
-# and the pipeliner would stage the backward's row loop through shared memory.
-_NUM_STAGES = 1
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
@@ -418,14 +415,12 @@ def _block_n(F: int) -> int:
 
 
 @functools.cache
-def _plan(
-    v, F: int, tile: int, warps: int, max_block_n: int, stages: int
-) -> tuple[int, int, dict, tuple]:
+def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
     MoE experts make (the arguments after ``v`` and ``F`` are the module constants, so a changed
     constant gets a fresh plan)."""
-    del max_block_n, stages  # part of the cache key only; _block_n and the kwargs read them
+    del max_block_n  # part of the cache key only; _block_n reads it
     block_n = _block_n(F)
     block_m = max(1, tile // block_n)
     kwargs = dict(
@@ -440,7 +435,6 @@ def _plan(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
-        num_stages=_NUM_STAGES,
     )
     params = [name for name in _activation_fwd_kernel.arg_names if name in kwargs]
     assert params == [name for name in _activation_bwd_kernel.arg_names if name in kwargs]
@@ -448,7 +442,7 @@ def _plan(
 
 
 def _forward_plan(v, F):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N, _NUM_STAGES)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N)
 
 
 def _backward_plan(v, F):
@@ -456,8 +450,8 @@ def _backward_plan(v, F):
         # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
         # the copy floor on an H200 against 1.04x over one row (docs/performance.md), and GLUs
         # gain nothing from taller tiles.
-        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N, _NUM_STAGES)
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N, _NUM_STAGES)
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N)
 
 
 def _contiguous(*tensors):
@@ -541,7 +535,6 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
         x.device.index,
         plan[3],
         plan[2]["num_warps"],
-        plan[2]["num_stages"],
         _ptr_key(x),
         _ptr_key(bias),
         _ptr_key(probs),
@@ -582,8 +575,7 @@ def triton_backward(
         else None
     )
     args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
-    key = (x.device.index, plan[3], plan[2]["num_warps"], plan[2]["num_stages"])
-    key += tuple(_ptr_key(t) for t in args[:8])
+    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
     key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
     with _device_guard(x):
         _backward_launcher((row_programs, col_blocks, 1), args, plan, key)

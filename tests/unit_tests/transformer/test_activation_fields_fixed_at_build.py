@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer import activation_audit as audit
 from tests.unit_tests.extensions.fake_te import install_fake_te_with_cpu_linears
+from tests.unit_tests.test_utilities import needs_sm100
 
 EDITS = {
     "activation_func": F.gelu,
@@ -55,7 +56,10 @@ def _cases():
         elif path.name in FAKE_TE:
             yield pytest.param(path, "cpu", id=f"{path.name}-fake-te")
         else:
-            yield pytest.param(path, "cuda", id=path.name, marks=[pytest.mark.gpu, pytest.mark.te])
+            marks = [pytest.mark.gpu, pytest.mark.te]
+            if path.name == "TEGroupedMLP (TE ops)":
+                marks.append(needs_sm100)
+            yield pytest.param(path, "cuda", id=path.name, marks=marks)
 
 
 @pytest.mark.parametrize("path,device", list(_cases()))
