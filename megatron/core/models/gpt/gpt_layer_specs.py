@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider, TESpecProvider
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -69,43 +69,91 @@ def get_mlp_module_spec(
     Returns:
         ``ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=..., linear_fc2=...))`` for
         a dense MLP (``TEFusedMLP`` with ``use_te_op_fuser``), or the MoE layer spec.
+
+    Raises:
+        ValueError: ``use_te_op_fuser`` without ``use_te``, or with ``num_experts``.
     """
     if fp8 is not None:
         warnings.warn("get_mlp_module_spec: the fp8 argument is deprecated and ignored.")
     _refuse("moe_use_legacy_grouped_gemm", moe_use_legacy_grouped_gemm, False)
+    if use_te_op_fuser:
+        if not use_te:
+            raise ValueError("use_te_op_fuser=True needs use_te=True (TEFusedMLP is a TE module).")
+        if num_experts is not None:
+            raise ValueError(
+                "Transformer Engine operation-based API does not support mixture-of-experts: "
+                "pass num_experts=None with use_te_op_fuser=True."
+            )
+    return get_mlp_module_spec_for_backend(
+        backend=TESpecProvider() if use_te else LocalSpecProvider(),
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        use_te_op_fuser=use_te_op_fuser,
+    )
 
+
+def get_mlp_module_spec_for_backend(
+    backend: BackendSpecProvider,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_te_activation_func: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
+) -> ModuleSpec:
+    """Returns the MLP (or MoE layer) spec built from ``backend``'s modules.
+
+    Args:
+        backend: The provider of the linear classes (``LocalSpecProvider`` / ``TESpecProvider``).
+        num_experts: None for a dense MLP; the expert count for an MoE layer.
+        moe_grouped_gemm: Run the experts as a grouped GEMM (MoE only).
+        use_te_op_fuser: Build ``TEFusedMLP`` (Transformer Engine fusible ops) for a dense MLP.
+        use_te_activation_func: Apply the activation with the backend's TE activation op.
+        use_grouped_gemm_for_dense_mlp: With ``use_te_op_fuser``, build
+            ``TEFusedMLPWithGroupedLinear``.
+
+    Returns:
+        ``ModuleSpec(module=MLP (or the TE fused class), submodules=MLPSubmodules(...))``; fc1 is
+        the backend's fused norm + linear where it has one. For MoE, the MoE layer spec.
+    """
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+
+    activation_func = backend.activation_func() if use_te_activation_func else None
     if num_experts is not None:
         try:
-            from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+            from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
         except ModuleNotFoundError as error:
             raise NotImplementedError(
                 "MoE layer specs (megatron.core.models.gpt.moe_module_specs) are not available in "
                 "this build; pass num_experts=None for a dense MLP."
             ) from error
-        return get_moe_module_spec(
-            use_te=use_te, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm
+        return get_moe_module_spec_for_backend(
+            backend=backend,
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
+            use_te_activation_func=use_te_activation_func,
         )
 
-    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    module = MLP
+    if use_te_op_fuser:
+        from megatron.core.extensions import transformer_engine as te_ext
 
-    if not use_te:
-        if use_te_op_fuser:
-            raise ValueError("use_te_op_fuser=True needs use_te=True (TEFusedMLP is a TE module).")
-        return ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-        )
-
-    from megatron.core.extensions.transformer_engine import (
-        TEFusedMLP,
-        TELayerNormColumnParallelLinear,
-        TERowParallelLinear,
-    )
-
+        name = "TEFusedMLPWithGroupedLinear" if use_grouped_gemm_for_dense_mlp else "TEFusedMLP"
+        module = getattr(te_ext, name)
+        if module is None:
+            raise ValueError(
+                f"use_te_op_fuser=True builds {name}, which needs Transformer Engine; install it "
+                "(pip install -e '.[te]') or pass use_te_op_fuser=False."
+            )
+    if backend.fuse_layernorm_and_linear():
+        linear_fc1 = backend.column_parallel_layer_norm_linear()
+    else:
+        linear_fc1 = backend.column_parallel_linear()
     return ModuleSpec(
-        module=TEFusedMLP if use_te_op_fuser else MLP,
+        module=module,
         submodules=MLPSubmodules(
-            linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear
+            linear_fc1=linear_fc1,
+            linear_fc2=backend.row_parallel_linear(),
+            activation_func=activation_func,
         ),
     )
 
@@ -156,3 +204,101 @@ def get_gpt_layer_local_submodules(
         use_te=False, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm, fp8=fp8
     )
     return TransformerLayerSubmodules(mlp=mlp)
+
+
+# The layer class of upstream's layer specs, named by path: this fork does not build attention or
+# a whole TransformerLayer, so building the layer from the spec raises ImportError naming the
+# module, while everything a caller reads from the spec (``spec.submodules.mlp``) is real.
+_TRANSFORMER_LAYER = ("megatron.core.transformer.transformer_layer", "TransformerLayer")
+
+
+def get_gpt_layer_local_spec(*args, **kwargs) -> ModuleSpec:
+    """Returns ``ModuleSpec(module=TransformerLayer, submodules=get_gpt_layer_local_submodules())``.
+
+    Takes the arguments of :func:`get_gpt_layer_local_submodules`. ``TransformerLayer`` is named
+    by its upstream module path; this fork does not ship it, so ``build_module`` on the returned
+    spec raises ImportError. The MLP part (``spec.submodules.mlp``) builds.
+    """
+    return ModuleSpec(
+        module=_TRANSFORMER_LAYER, submodules=get_gpt_layer_local_submodules(*args, **kwargs)
+    )
+
+
+def get_gpt_layer_with_transformer_engine_submodules(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = False,
+    qk_layernorm: Optional[bool] = False,
+    multi_latent_attention: Optional[bool] = False,
+    fp8: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    use_te_op_fuser: Optional[bool] = False,
+    use_kitchen: bool = False,
+    use_te_activation_func: bool = False,
+    use_kitchen_attention: bool = False,
+    kitchen_attention_backend: str = "sdpa",
+    mla_down_proj_fusion: bool = False,
+    use_grouped_gemm_for_dense_mlp: bool = False,
+) -> TransformerLayerSubmodules:
+    """Returns the parts of a GPT layer built from Transformer Engine modules.
+
+    The MLP's fc1 is ``TELayerNormColumnParallelLinear`` (the pre-MLP norm fused in) and fc2
+    ``TERowParallelLinear``; ``use_te_op_fuser`` builds ``TEFusedMLP`` (or
+    ``TEFusedMLPWithGroupedLinear`` with ``use_grouped_gemm_for_dense_mlp``). The attention and
+    norm options configure parts this fork does not build and must keep their defaults.
+
+    Args:
+        num_experts: None for a dense MLP; the expert count for an MoE layer.
+        moe_grouped_gemm: Run the experts as a grouped GEMM (MoE only).
+        qk_layernorm: Not supported; must be False.
+        multi_latent_attention: Not supported; must be False.
+        fp8: Deprecated and ignored.
+        qk_l2_norm: Not supported; must be False.
+        use_te_op_fuser: Build the dense MLP from Transformer Engine fusible ops.
+        use_kitchen: Not supported; must be False.
+        use_te_activation_func: Apply the activation with ``TEActivationOp``.
+        use_kitchen_attention: Not supported; must be False.
+        kitchen_attention_backend: Ignored (kitchen attention is not supported).
+        mla_down_proj_fusion: Not supported; must be False.
+        use_grouped_gemm_for_dense_mlp: With ``use_te_op_fuser``, use TE grouped linears.
+
+    Raises:
+        ValueError: An unsupported option is set, or ``use_te_op_fuser`` with ``num_experts``.
+    """
+    del kitchen_attention_backend
+    for name, value in (
+        ("qk_layernorm", qk_layernorm),
+        ("multi_latent_attention", multi_latent_attention),
+        ("qk_l2_norm", qk_l2_norm),
+        ("use_kitchen", use_kitchen),
+        ("use_kitchen_attention", use_kitchen_attention),
+        ("mla_down_proj_fusion", mla_down_proj_fusion),
+    ):
+        _refuse(name, value, False)
+    if fp8 is not None:
+        warnings.warn("get_gpt_layer_with_transformer_engine_submodules: fp8 is deprecated.")
+    if use_te_op_fuser and num_experts is not None:
+        raise ValueError(
+            "Transformer Engine operation-based API does not support mixture-of-experts: "
+            "pass num_experts=None with use_te_op_fuser=True."
+        )
+    mlp = get_mlp_module_spec_for_backend(
+        backend=TESpecProvider(),
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        use_te_op_fuser=use_te_op_fuser,
+        use_te_activation_func=use_te_activation_func,
+        use_grouped_gemm_for_dense_mlp=use_grouped_gemm_for_dense_mlp,
+    )
+    return TransformerLayerSubmodules(mlp=mlp)
+
+
+def get_gpt_layer_with_transformer_engine_spec(*args, **kwargs) -> ModuleSpec:
+    """Returns ``ModuleSpec(module=TransformerLayer, submodules=...)`` of the TE submodules.
+
+    Takes the arguments of :func:`get_gpt_layer_with_transformer_engine_submodules`; the layer
+    class is named as in :func:`get_gpt_layer_local_spec`.
+    """
+    return ModuleSpec(
+        module=_TRANSFORMER_LAYER,
+        submodules=get_gpt_layer_with_transformer_engine_submodules(*args, **kwargs),
+    )
