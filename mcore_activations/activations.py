@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mcore_activations.fusions.kernel_params import params_tensor
+from mcore_activations.fusions.kernel_params import params_tensor, tensor_arguments
 from mcore_activations.jit import jit_fuser
 
 # The constants of the approximations below, named once for the whole package.
@@ -45,6 +45,7 @@ def fast_gelu(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(SQRT_2_OVER_PI * (x + GELU_TANH_COEF * x * x * x)))
 
 
+@tensor_arguments
 @jit_fuser
 def _tanh_soft_clamp(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     # float32 math: tanh saturates at |x/s| > ~9 in bf16 precision otherwise.
@@ -52,6 +53,7 @@ def _tanh_soft_clamp(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (s * torch.tanh(x.float() / s)).to(x.dtype)
 
 
+@tensor_arguments
 @jit_fuser
 def _situ(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale[0]
@@ -80,6 +82,7 @@ def situ(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _situ(x, _scale_tensor("scale", scale, x.device))
 
 
+@tensor_arguments
 @jit_fuser
 def _situ_glu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     # params: [s_g, offset]; float32 math, one rounding, as the fused kernels compute.
@@ -88,6 +91,7 @@ def _situ_glu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     return (s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate) * (lin + params[1])).to(x.dtype)
 
 
+@tensor_arguments
 @jit_fuser
 def _situ_glu_scaled(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     # params: [s_g, offset, s_l]: the linear half soft-clamped to (-s_l, s_l) first.

@@ -9,7 +9,9 @@ layer above it - the upstream callables, the kernels, the entry points - can use
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -67,3 +69,35 @@ def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torc
 
 def _tracing_with_fake_tensors() -> bool:
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def check_kernel_args(name: str, args: tuple, kwargs: dict | None = None) -> None:
+    """Refuses a Python number among the arguments of a compiled kernel.
+
+    The runtime half of the compile-boundary rule (the static half is
+    tools/check_compiled_scalars.py): a number that reaches compiled code as a Python ``int``,
+    ``float`` or ``bool`` is traced as a constant or a dynamic scalar and can be served stale
+    later. Tensors, None and other objects (structure) pass.
+
+    Raises:
+        TypeError: an argument is a Python number; it belongs in :func:`params_tensor`.
+    """
+    named = list(enumerate(args)) + list((kwargs or {}).items())
+    for where, value in named:
+        if isinstance(value, int | float | complex):
+            raise TypeError(
+                f"{name}: argument {where!r} is the Python number {value!r}; a compiled kernel "
+                "takes runtime numbers inside a float32 tensor (kernel_params.params_tensor), "
+                "never as Python numbers, or a stale value can be served (docs/compile-safety.md)."
+            )
+
+
+def tensor_arguments(fn: Callable) -> Callable:
+    """Wraps the compiled function ``fn`` so that every call runs :func:`check_kernel_args`."""
+
+    @functools.wraps(fn)
+    def guarded(*args, **kwargs):
+        check_kernel_args(getattr(fn, "__name__", repr(fn)), args, kwargs)
+        return fn(*args, **kwargs)
+
+    return guarded

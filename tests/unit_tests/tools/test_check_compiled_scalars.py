@@ -366,6 +366,124 @@ def test_float_literal_at_call_site_is_caught():
     ]
 
 
+def test_factory_compiling_its_parameter_is_seen():
+    # The project's kernels are made this way: a factory calls torch.compile on a parameter, and
+    # callers hand it a def (through a wrapper that renames it). Factories of factories count.
+    source = _module(
+        """
+        def compile_rows(fn):
+            compiled = torch.compile(fn)
+
+            def run(*args):
+                return compiled(*args)
+
+            return run
+
+
+        def compile_again(tag, fn):
+            return compile_rows(fn)
+
+
+        def rename(fn, name):
+            return fn
+
+
+        class Flags(typing.NamedTuple):
+            gated: bool
+            block: Optional[int]
+
+
+        def make(flags: Flags, clamp):
+            def kernel(x, c: float):  # factory kernel
+                return x.clamp(max=c) if flags.gated else x
+
+            def other(x, params):
+                return x * clamp  # captured number
+
+            return compile_rows(rename(kernel, "k")), compile_again("t", other)
+        """
+    )
+    findings = check_source(source)
+    assert [(f.function, f.parameter, f.kind, f.line) for f in findings] == [
+        ("kernel", "c", "parameter", _line(source, "# factory kernel")),
+        ("other", "clamp", "closure", _line(source, "# captured number")),
+    ]
+    assert "compiled via factory compile_rows() call at line" in str(findings[0])
+    assert "compiled via factory compile_again() call at line" in str(findings[1])
+
+
+def test_factory_imported_from_another_module_is_seen(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "factories.py").write_text(
+        _module("def compile_rows(fn):\n    return torch.compile(fn)\n")
+    )
+    user = _module(
+        """
+        from pkg.factories import compile_rows
+        from pkg import factories
+
+
+        def kernel(x, c: float):  # first
+            return x * c
+
+
+        def other(x, c: float):  # second
+            return x * c
+
+
+        KERNELS = compile_rows(kernel), factories.compile_rows(other)
+        """
+    )
+    (package / "user.py").write_text(user)
+    findings = check_paths([package])
+    assert [(Path(f.path).name, f.function, f.line) for f in findings] == [
+        ("user.py", "kernel", _line(user, "# first")),
+        ("user.py", "other", _line(user, "# second")),
+    ]
+
+
+def test_captured_structure_passes_and_captured_numbers_do_not():
+    source = _module(
+        """
+        class Flags(typing.NamedTuple):
+            gated: bool
+            block: Optional[int]
+
+
+        class Scales(typing.NamedTuple):
+            clamp: float
+
+
+        def helper(what, x):
+            return x
+
+
+        def make(flags: Flags, scales: Scales, width: int):
+            def kernel(x):
+                return helper(flags, x) + helper(width, x)
+
+            def stale(x):
+                return helper(scales, x)  # float field
+
+            return torch.compile(kernel), torch.compile(stale)
+        """
+    )
+    findings = check_source(source)
+    assert [(f.function, f.parameter, f.kind, f.line) for f in findings] == [
+        ("stale", "scales", "closure", _line(source, "# float field")),
+    ]
+
+
+def test_repo_kernels_made_by_a_factory_are_checked():
+    # The compiled kernels of activation_kernels come from compile_with_dynamic_rows(fn): the
+    # checker must count them (it once saw only the @jit_fuser helpers).
+    result = _run_cli("mcore_activations/fusions/activation_kernels.py")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("check_compiled_scalars: 2 compiled function(s) in 1 file(s)")
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixed forms pass
 
