@@ -120,6 +120,10 @@ def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
             )
 
 
+def _unflatten(out, input_shape):
+    return out.view(*input_shape[:-1], out.shape[-1])
+
+
 def _flatten(x, probs):
     x2d = x.reshape(-1, x.shape[-1])
     probs2d = probs.reshape(-1, 1) if probs is not None else None
@@ -152,7 +156,7 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     ctx.params = params
     ctx.variant = variant
     ctx.input_dtype = x.dtype
-    return out.view(*ctx.input_shape[:-1], out.shape[-1])
+    return out if x.shape == ctx.input_shape else _unflatten(out, ctx.input_shape)
 
 
 def saved_backward(ctx, grad):
@@ -161,9 +165,13 @@ def saved_backward(ctx, grad):
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
     grad2d = grad.reshape(x.shape[0], grad.shape[-1]).contiguous()
     dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
-    if dprobs is not None:
+    # Views only where the caller's shapes were not already the kernels' 2-D ones: each costs
+    # microseconds of host time, a share of a small expert's call.
+    if dprobs is not None and dprobs.shape != ctx.probs_shape:
         dprobs = dprobs.view(ctx.probs_shape)
-    return dx.view(ctx.input_shape), dbias, dprobs
+    if dx.shape != ctx.input_shape:
+        dx = dx.view(ctx.input_shape)
+    return dx, dbias, dprobs
 
 
 class FusedActivationFunction(torch.autograd.Function):

@@ -396,6 +396,12 @@ _MAX_BLOCK_N = 1024
 _BIAS_PROGRAMS = 1024
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Host-side ceil division. Not triton.cdiv: since Triton 3.7 that is a constexpr function
+    # whose host call costs microseconds, four times per backward.
+    return -(-a // b)
+
+
 def _block_n(F: int) -> int:
     """Column block: the widest power of two in 128.._MAX_BLOCK_N whose masked tail wastes at
     most 1/8 of the row, else the one that wastes least; narrow rows get one block.
@@ -407,7 +413,7 @@ def _block_n(F: int) -> int:
     if F <= 128:
         return triton.next_power_of_2(F)
     sizes = [b for b in (4096, 2048, 1024, 512, 256, 128) if b <= _MAX_BLOCK_N]
-    waste = {b: triton.cdiv(F, b) * b - F for b in sizes}
+    waste = {b: _cdiv(F, b) * b - F for b in sizes}
     for b in sizes:
         if 8 * waste[b] <= F:
             return b
@@ -530,7 +536,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     if rows == 0:
         return out
     plan = _forward_plan(v, F)
-    grid = (triton.cdiv(rows, plan[0]), triton.cdiv(F, plan[1]), 1)
+    grid = (_cdiv(rows, plan[0]), _cdiv(F, plan[1]), 1)
     key = (
         x.device.index,
         plan[3],
@@ -560,12 +566,12 @@ def triton_backward(
         return dx, dbias, dprobs
     plan = _backward_plan(v, F)
     block_m, block_n = plan[0], plan[1]
-    col_blocks = triton.cdiv(F, block_n)
-    row_blocks = triton.cdiv(rows, block_m)
+    col_blocks = _cdiv(F, block_n)
+    row_blocks = _cdiv(rows, block_m)
     if v.has_bias:
         row_programs = min(row_blocks, max(1, _BIAS_PROGRAMS // col_blocks))
-        rows_per_program = block_m * triton.cdiv(row_blocks, row_programs)
-        row_programs = triton.cdiv(rows, rows_per_program)
+        rows_per_program = block_m * _cdiv(row_blocks, row_programs)
+        row_programs = _cdiv(rows, rows_per_program)
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)
     else:
         rows_per_program, row_programs, dbias_part = block_m, row_blocks, None
@@ -583,5 +589,5 @@ def triton_backward(
     dprobs = None
     if v.has_probs:
         summed = dprobs_part[0] if col_blocks == 1 else dprobs_part.sum(dim=0)
-        dprobs = summed.view(rows, 1).to(probs.dtype)
+        dprobs = summed.unsqueeze(1).to(probs.dtype)
     return dx, dbias, dprobs
