@@ -1,0 +1,358 @@
+"""What the activation audit audits: its activations, the MLP paths, and each path's reference.
+
+Each :class:`Path` builds one MLP code path from a ``TransformerConfig``, runs it, and models it
+in float64 on the layer's own weights (``mcore_activations.reference_mlp``). The runner and the
+command line are ``megatron.core.transformer.activation_audit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mcore_activations import activations
+from mcore_activations.fusions.fused_bias_geglu import quick_gelu
+from mcore_activations.reference_mlp import at_precision, reference_experts, reference_mlp
+
+HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
+
+# Relative tolerance (max |got - ref| / max |ref|) per compute dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+FUNCTIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "fast_gelu": activations.fast_gelu,
+    "quick_gelu": quick_gelu,
+    "relu": F.relu,
+    "squared_relu": activations.squared_relu,
+}
+
+BUILT_IN = {
+    "SwiGLU": dict(activation_func=F.silu, gated_linear_unit=True),
+    "DeepSeek-V4 clamped SwiGLU": dict(
+        activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=7.0
+    ),
+    "Kimi-K3 SiTU-GLU": dict(
+        activation_func=F.silu,
+        gated_linear_unit=True,
+        activation_func_tanh_clamp_scale=4.0,
+        activation_func_tanh_clamp_scale_linear=25.0,
+    ),
+    "gpt-oss quick-GEGLU": dict(
+        activation_func=quick_gelu,
+        gated_linear_unit=True,
+        glu_linear_offset=1.0,
+        activation_func_clamp_value=7.0,
+    ),
+    "GEGLU": dict(activation_func=activations.fast_gelu, gated_linear_unit=True),
+    "squared-ReLU + tanh clamp": dict(
+        activation_func=activations.squared_relu, activation_func_tanh_clamp_scale=10.0
+    ),
+}
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (path, activation) result."""
+
+    path: str
+    activation: str
+    status: str  # "match" | "refuses" | "MISMATCH" | "unavailable"
+    max_rel_error: Optional[float] = None
+    detail: str = ""
+
+
+# ----------------------------------------------------------------------------- references
+def _norm(x, params, prefix, config):
+    weight = params.get(f"{prefix}layer_norm_weight")
+    if weight is None:
+        return x
+    if config.layernorm_zero_centered_gamma:
+        weight = weight + 1
+    if config.normalization == "RMSNorm":
+        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
+        return x * rms * weight
+    bias = params.get(f"{prefix}layer_norm_bias")
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, config.layernorm_epsilon)
+
+
+def _layer_dtype(module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _fc1_at(bias, dtype):
+    # The activation sees fc1's output (bias included) rounded as the layer rounds it
+    # (reference_mlp.at_precision): near a clamp edge the rounding decides the gradient.
+    def at(h):
+        return at_precision(h if bias is None else h + bias, dtype)
+
+    return at
+
+
+def _mlp_reference(params, x, spec, config, prefix="", probs=None, dtype=torch.float64):
+    return reference_mlp(
+        _norm(x, params, f"{prefix}linear_fc1.", config),
+        params[f"{prefix}linear_fc1.weight"],
+        params[f"{prefix}linear_fc2.weight"],
+        spec,
+        fc2_bias=params.get(f"{prefix}linear_fc2.bias"),
+        probs=probs,
+        at=_fc1_at(params.get(f"{prefix}linear_fc1.bias"), dtype),
+    )
+
+
+def _grouped_reference(params, x, spec, config, tokens_per_expert, probs, dtype=torch.float64):
+    experts = [
+        dict(
+            fc1_weight=params[f"linear_fc1.weight{i}"],
+            fc2_weight=params[f"linear_fc2.weight{i}"],
+            fc2_bias=params.get(f"linear_fc2.bias{i}"),
+        )
+        for i in range(len(tokens_per_expert))
+    ]
+
+    def at(i, h):
+        return _fc1_at(params.get(f"linear_fc1.bias{i}"), dtype)(h)
+
+    return reference_experts(x, tokens_per_expert, experts, spec, probs, at)
+
+
+# ----------------------------------------------------------------------------- paths
+@dataclasses.dataclass
+class Path:
+    """How to build, run and model one MLP code path."""
+
+    name: str
+    build: Callable  # (config_kwargs, device) -> module
+    run: Callable  # (module, x, probs, tokens_per_expert) -> output
+    reference: Callable  # (params64, x64, module, probs64, tokens_per_expert) -> output
+    needs_te: bool = False
+    parent: Optional[Callable] = None  # builds the unfused class to compare with, if any
+
+
+def _config(kwargs, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=EXPERTS,
+        moe_ffn_hidden_size=FFN,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+    )
+    base.update(kwargs)
+    base.update(extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return TransformerConfig(**base)
+
+
+def _local_submodules():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def _te_submodules(grouped=False):
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    if grouped:
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+        return GroupedMLPSubmodules(
+            linear_fc1=te_ext.TEColumnParallelGroupedLinear,
+            linear_fc2=te_ext.TERowParallelGroupedLinear,
+        )
+    return MLPSubmodules(
+        linear_fc1=te_ext.TELayerNormColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+    )
+
+
+def _mlp(cls_path, submodules, **extra):
+    def build(kwargs, device):
+        import importlib
+
+        module_name, cls_name = cls_path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        config = _config(kwargs, **extra)
+        return cls(config, submodules(), ffn_hidden_size=FFN).to(device)
+
+    return build
+
+
+def _te_linear_submodules():
+    from megatron.core.extensions import transformer_engine as te_ext
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    return MLPSubmodules(
+        linear_fc1=te_ext.TEColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+    )
+
+
+def _shared(cls_name, te_linears=False, **extra):
+    def build(kwargs, device):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe import shared_experts
+
+        config = _config(kwargs, moe_shared_expert_intermediate_size=FFN, **extra)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        cls = getattr(shared_experts, cls_name)
+        submodules = _te_linear_submodules() if te_linears else _local_submodules()
+        return cls(config, submodules, gate=True, pg_collection=pgs).to(device)
+
+    return build
+
+
+def _experts(cls_name, grouped, **extra):
+    def build(kwargs, device):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe import experts
+
+        config = _config(kwargs, **extra)
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        submodules = _te_submodules(grouped=True) if grouped else _local_submodules()
+        return getattr(experts, cls_name)(EXPERTS, config, submodules, pg_collection=pgs).to(device)
+
+    return build
+
+
+def _run_mlp(module, x, probs, tpe):
+    return module(x)[0]
+
+
+def _run_shared(module, x, probs, tpe):
+    return module(x)
+
+
+def _run_experts(module, x, probs, tpe):
+    return module(x, torch.tensor(tpe), probs.reshape(-1))[0]
+
+
+def _ref_mlp(params, x, module, probs, tpe):
+    return _mlp_reference(
+        params, x, module.activation_spec, module.config, dtype=_layer_dtype(module)
+    )
+
+
+def _ref_shared(params, x, module, probs, tpe):
+    out = _mlp_reference(
+        params, x, module.activation_spec, module.config, dtype=_layer_dtype(module)
+    )
+    return out * torch.sigmoid(x @ params["gate_weight"].T)
+
+
+def _ref_sequential(params, x, module, probs, tpe):
+    outs, start = [], 0
+    for i, n in enumerate(tpe):
+        rows = slice(start, start + n)
+        start += n
+        expert = module.local_experts[i]
+        outs.append(
+            _mlp_reference(
+                params,
+                x[rows],
+                expert.activation_spec,
+                expert.config,
+                f"local_experts.{i}.",
+                probs=probs[rows],
+                dtype=_layer_dtype(module),
+            )
+        )
+    return torch.cat(outs)
+
+
+def _ref_grouped(params, x, module, probs, tpe):
+    return _grouped_reference(
+        params, x, module.activation_spec, module.config, tpe, probs, dtype=_layer_dtype(module)
+    )
+
+
+def all_paths() -> list[Path]:
+    """Every path the audit knows, in table order.
+
+    The TE grouped fused classes run with ``te_fused_recipe="none"``: the audit checks which
+    function a path computes, and MXFP8 / NVFP4 change the numbers by design (they also need
+    SM100).
+    """
+    mlp = "megatron.core.transformer.mlp.MLP"
+    te = "megatron.core.extensions.transformer_engine."
+    te_mlp_parent = _mlp(mlp, _te_submodules)
+    grouped = dict(moe_grouped_gemm=True, moe_mlp_glu_interleave_size=32)
+    return [
+        Path("MLP (unfused)", _mlp(mlp, _local_submodules), _run_mlp, _ref_mlp),
+        Path(
+            "MLP (fused kernels)",
+            _mlp(mlp, _local_submodules, bias_activation_fusion=True),
+            _run_mlp,
+            _ref_mlp,
+        ),
+        Path("SharedExpertMLP", _shared("SharedExpertMLP"), _run_shared, _ref_shared),
+        Path(
+            "SequentialMLP",
+            _experts("SequentialMLP", False),
+            _run_experts,
+            _ref_sequential,
+        ),
+        Path(
+            "TEFusedMLP",
+            _mlp(te + "TEFusedMLP", _te_submodules, use_transformer_engine_op_fuser=True),
+            _run_mlp,
+            _ref_mlp,
+            needs_te=True,
+            parent=te_mlp_parent,
+        ),
+        Path(
+            "TEFusedMLPWithGroupedLinear",
+            _mlp(
+                te + "TEFusedMLPWithGroupedLinear",
+                _te_submodules,
+                use_transformer_engine_op_fuser=True,
+                use_grouped_gemm_for_dense_mlp=True,
+                te_fused_recipe="none",
+            ),
+            _run_mlp,
+            _ref_mlp,
+            needs_te=True,
+            parent=te_mlp_parent,
+        ),
+        Path(
+            "FusedSharedExpertMLP",
+            _shared(
+                "FusedSharedExpertMLP",
+                te_linears=True,
+                use_grouped_gemm_for_shared_expert=True,
+                moe_shared_expert_glu_interleave_size=32,
+                te_fused_recipe="none",
+            ),
+            _run_shared,
+            _ref_shared,
+            needs_te=True,
+            parent=_shared("SharedExpertMLP", te_linears=True),
+        ),
+        Path(
+            "TEGroupedMLP (unfused)",
+            _experts("TEGroupedMLP", True, **grouped),
+            _run_experts,
+            _ref_grouped,
+            needs_te=True,
+        ),
+        Path(
+            "TEGroupedMLP (TE ops)",
+            _experts("TEGroupedMLP", True, use_transformer_engine_op_fuser=True, **grouped),
+            _run_experts,
+            _ref_grouped,
+            needs_te=True,
+            parent=_experts("TEGroupedMLP", True, **grouped),
+        ),
+    ]
