@@ -416,9 +416,8 @@ def _make_te_ops_activation(
     those options must go through :func:`lower_activation_to_te_op` with the full spec.
 
     Raises:
-        UnsupportedActivationError: Upstream raised ``NotImplementedError`` here; the lowering's
-            refusals (e.g. exact-erf ``F.gelu``, which upstream silently ran as tanh GELU) are
-            ``ValueError`` subclasses.
+        UnsupportedActivationError: No TE op computes the activation, e.g. the exact-erf
+            ``F.gelu`` (TE's GELU is the tanh form); a ``ValueError`` subclass.
     """
     kind = activation_kind_of(activation_func)
     spec = ActivationSpec(
@@ -434,9 +433,9 @@ def _make_te_ops_activation(
 class TEActivationOp:
     """The TE activation op of a config: ``TEActivationOp(config)`` returns a ``te.pytorch.ops`` op.
 
-    Used as ``MLPSubmodules.activation_func`` with ``use_te_activation_func``. Upstream mapped
-    non-gated SiLU to ``ops.ReLU``; here the op comes from the lowering, so it is ``ops.SiLU``, and
-    every unsupported config is refused with its reason.
+    Used as ``MLPSubmodules.activation_func`` with ``use_te_activation_func``. The op comes from
+    :func:`lower_activation_to_te_op` (non-gated SiLU is ``ops.SiLU``), and every config it
+    cannot compute is refused with its reason.
 
     Raises:
         UnsupportedActivationError: No TE op computes the configured activation.

@@ -1,11 +1,9 @@
 """The transformer MLP: ``fc2(activation(fc1(x)))``, with tensor-parallel linears.
 
-The layer is API-compatible with upstream megatron-core's ``MLP``. It differs in how it decides
-which activation to compute: upstream tests ``activation_func`` and the clamp fields again in each
-branch of ``forward``, and each branch supports a different subset of the configured options. Here
-``__init__`` turns the config into one :class:`ActivationSpec` and picks one path for it, once
-(``mcore_activations.activation_path``: TE module, fused kernels or unfused); a spec the path
-cannot compute is refused at construction. Every path computes what
+The layer is API-compatible with upstream megatron-core's ``MLP``. ``__init__`` turns the config
+into one :class:`ActivationSpec` and picks one path for it, once
+(``mcore_activations.activation_path.select_layer_activation``: TE module, fused kernels or
+unfused); a spec the path cannot compute is refused at construction. Every path computes what
 :meth:`ActivationSpec.reference` defines.
 """
 
