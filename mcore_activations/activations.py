@@ -82,25 +82,6 @@ def situ(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _situ(x, _scale_tensor("scale", scale, x.device))
 
 
-@tensor_arguments
-@jit_fuser
-def _situ_glu(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    # params: [s_g, offset]; float32 math, one rounding, as the fused kernels compute.
-    gate, lin = torch.chunk(x.float(), 2, dim=-1)
-    s_g = params[0]
-    return (s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate) * (lin + params[1])).to(x.dtype)
-
-
-@tensor_arguments
-@jit_fuser
-def _situ_glu_scaled(x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    # params: [s_g, offset, s_l]: the linear half soft-clamped to (-s_l, s_l) first.
-    gate, lin = torch.chunk(x.float(), 2, dim=-1)
-    s_g, s_l = params[0], params[2]
-    lin = s_l * torch.tanh(lin / s_l)
-    return (s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate) * (lin + params[1])).to(x.dtype)
-
-
 def situ_glu(
     x: torch.Tensor,
     gate_scale: float,
@@ -109,17 +90,17 @@ def situ_glu(
 ) -> torch.Tensor:
     """SiTU-GLU of ``x = [gate, linear]``: ``situ(gate, s_g) * (L + linear_offset)``.
 
-    ``L`` is ``linear_scale * tanh(linear / linear_scale)`` when ``linear_scale`` is set, else the
-    linear half itself. Computed in float32, result in ``x.dtype``; differentiable.
+    ``L`` is ``tanh_soft_clamp(linear, linear_scale)`` when ``linear_scale`` is set, else the
+    linear half itself. Composed of :func:`situ` and :func:`tanh_soft_clamp` (float32 math each,
+    results in ``x.dtype``); differentiable.
 
     Raises:
         ValueError: a scale is not finite and greater than zero, or the offset is not finite.
     """
-    s_g = _checked_scale("gate_scale", gate_scale)
     offset = float(linear_offset)
     if not math.isfinite(offset):
         raise ValueError(f"linear_offset must be finite, got {linear_offset!r}.")
-    if linear_scale is None:
-        return _situ_glu(x, params_tensor((s_g, offset), x.device))
-    s_l = _checked_scale("linear_scale", linear_scale)
-    return _situ_glu_scaled(x, params_tensor((s_g, offset, s_l), x.device))
+    gate, linear = torch.chunk(x, 2, dim=-1)
+    if linear_scale is not None:
+        linear = tanh_soft_clamp(linear, linear_scale)
+    return situ(gate, gate_scale) * (linear + offset if offset else linear)
