@@ -9,12 +9,11 @@ code: one compiled kernel serves every value, which is what makes the path immun
 stale-constant class of bug (docs/compile-safety.md) and CUDA-graph capturable.
 
 Numerics follow the torch reference in ``activation_kernels``: the same formulas, loads upcast
-to float32, all math in float32, stores cast to the output dtype. Two are rearranged to spend
-fewer special-function operations (exponentials and divisions bound the transcendental-heavy
-kinds, not memory): GELU's ``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, and
-SiTU-GLU's two tanh terms and sigmoid share one division. Clamps are ``where`` selects that
-keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are inclusive at
-the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
+to float32, all math in float32, stores cast to the output dtype. One is rearranged: GELU's
+``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, which costs one exponential and one
+division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Clamps are ``where``
+selects that keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are
+inclusive at the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
 
 Layout: a GLU input row is ``[gate | linear]`` or, with interleave ``k``, blocks of ``k`` gate
 columns followed by ``k`` linear columns. Each program owns a ``BLOCK_M x BLOCK_N`` tile of
@@ -69,45 +68,10 @@ def _tanh(x):
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
     t = tl.math.fdiv(1.0 - e, 1.0 + e)
-    # NaN fails both comparisons and falls through to t, which is NaN.
-    return tl.where(ax < 0.0625, _tanh_taylor(x), tl.where(x < 0.0, -t, t))
-
-
-@triton.jit
-def _tanh_taylor(x):
     x2 = x * x
-    return x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-
-
-@triton.jit
-def _tanh_ratio(x):
-    """``tanh(x)`` as ``(n, d, q)``: ``tanh = n / d`` and ``1 - tanh**2 = q / d**2``, ``d`` in
-    ``[1, 2]``.
-
-    The same formula as :func:`_tanh` without its division, so that SiTU-GLU can share one
-    division between its two tanh terms and its sigmoid (see :func:`_glu_terms`). ``q`` is
-    ``4 * exp(-2|x|)`` exactly, where ``1 - tanh**2`` computed from tanh would cancel (|x| > 4:
-    every digit lost at |x| > 9); inside the Taylor range there is nothing to cancel.
-    """
-    ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
-    d = 1.0 + e
-    small = ax < 0.0625
-    n = tl.where(small, _tanh_taylor(x) * d, tl.where(x < 0.0, e - 1.0, 1.0 - e))
-    q = tl.where(small, d * d - n * n, 4.0 * e)
-    return n, d, q
-
-
-@triton.jit
-def _sigmoid_ratio(x):
-    """``sigmoid(x)`` as ``(d, e)``: ``sigmoid = 1 / d`` and ``1 - sigmoid = e / d``.
-
-    The exponent is capped at 80 (sigmoid(-80) = 1.8e-35, zero next to any tolerance): a product
-    of three denominators then stays below 2**126, the range in which the fast division is
-    accurate. NaN fails the comparison and stays NaN.
-    """
-    e = tl.exp(-tl.where(x < -80.0, -80.0, x))
-    return 1.0 + e, e
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    # NaN fails both comparisons and falls through to t, which is NaN.
+    return tl.where(ax < 0.0625, small, tl.where(x < 0.0, -t, t))
 
 
 @triton.jit
@@ -169,41 +133,21 @@ def _glu_terms(
         lin_mask = tl.where((lin >= -c) & (lin <= c), 1.0, 0.0)
         gate = tl.where(gate > c, c, gate)
         lin = tl.where(lin > c, c, tl.where(lin < -c, -c, lin))
-    # SiTU-GLU needs tanh(g / s_g), sigmoid(g) and tanh(u / s_l): three exponentials and three
-    # divisions per element, enough to make it bound by the special-function unit rather than
-    # memory on an H200. The three denominators are multiplied and divided once; each
-    # reciprocal is then the product of the other two with that one.
     if GATE_TANH:  # SiTU-GLU gate: s_g * tanh(g / s_g) * sigmoid(g)
         s_g = tl.load(params_ptr + 1)
-        # One scalar reciprocal per program instead of a division per element.
-        n_t, d_t, q_t = _tanh_ratio(gate * (1.0 / s_g))
-        d_s, e_s = _sigmoid_ratio(gate)
-        den = d_t * d_s
-    if LINEAR_TANH:
-        s_l = tl.load(params_ptr + 2)
-        n_l, d_l, q_l = _tanh_ratio(lin * (1.0 / s_l))
-        if GATE_TANH:
-            inv = tl.math.fdiv(1.0, den * d_l)
-            inv_gate = inv * d_l  # 1 / (d_t * d_s)
-            inv_lin = inv * den  # 1 / d_l
-        else:
-            inv_lin = tl.math.fdiv(1.0, d_l)
-    elif GATE_TANH:
-        inv_gate = tl.math.fdiv(1.0, den)
-    if GATE_TANH:
-        inv_t = inv_gate * d_s
-        t = n_t * inv_t
-        sig = inv_gate * d_t
+        # One scalar reciprocal per program instead of a division per element: the special-
+        # function unit, not memory, bounds SiTU-GLU on an H200, and every division costs one.
+        t = _tanh(gate * (1.0 / s_g))
+        sig = _sigmoid(gate)
         act = s_g * t * sig
-        # 1 - t**2 and 1 - sig from their exact forms (q_t, e_s): computed from t and sig both
-        # would cancel where t or sig nears 1.
-        d_act = q_t * inv_t * inv_t * sig + act * (e_s * sig)
+        d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
     else:
         act, d_act = _base_and_grad(gate, KIND)
     if LINEAR_TANH:
-        t_l = n_l * inv_lin
+        s_l = tl.load(params_ptr + 2)
+        t_l = _tanh(lin * (1.0 / s_l))
         lin = s_l * t_l
-        d_lin = q_l * inv_lin * inv_lin
+        d_lin = 1.0 - t_l * t_l
     else:
         d_lin = tl.full(lin.shape, 1.0, tl.float32)
     lin = lin + tl.load(params_ptr + 3)
