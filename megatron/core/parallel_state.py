@@ -18,32 +18,39 @@ without any group, for code that must run outside a distributed job (tests, conv
 Without ``torch.distributed`` the size and rank getters report a single rank (size 1, rank 0);
 with it, they require ``initialize_model_parallel`` (or an override) first.
 
-This fork implements the MLP / MoE stack: embedding groups, hierarchical or hybrid context
-parallelism, GTP rematerialization and distributed-optimizer instances are not built, and the
-options that request them are refused.
+The embedding, gloo and (single-rank) GTP groups, and upstream's helper functions, live in
+``megatron.core.parallel_state_groups`` and are re-exported here. This fork implements the MLP /
+MoE stack: hierarchical or hybrid context parallelism, GTP rematerialization across ranks and
+several distributed-optimizer instances are not built, and the options that request them are
+refused.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Optional
 
 import torch
 
+from megatron.core.parallel_layout import (  # noqa: F401 - upstream exports both here
+    RankGenerator,
+    generate_masked_orthogonal_rank_groups,
+)
+from megatron.core.parallel_state_groups import GROUP_DESCRIPTIONS as _FURTHER_DESCRIPTIONS
 from megatron.core.utils import GlobalMemoryBuffer
-
-_LAYOUT_TOKENS = ("tp", "cp", "ep", "dp", "pp")
 
 # This rank's groups and their global ranks, keyed by the names below. An empty dict means "not
 # initialized". Keys:
 #   dense layout:  tp, cp, dp, dp-cp, pp, mp (tp-pp), tp-cp, tp-dp, tp-dp-cp
 #   expert layout: ep, expt-tp, expt-dp, tp-ep (expert tp x ep), tp-ep-pp
+#   further groups (parallel_state_groups): embd, pos-embd, dp-gloo, dp-cp-gloo, expt-dp-gloo,
+#   gtp, expt-gtp
 _GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
 _GROUP_RANKS: dict[str, list[int]] = {}
+# Every group of each layout key (not only this rank's), for groups built from the same ranks.
+_LAYOUT_RANKS: dict[str, list[list[int]]] = {}
 
 # Values set through set_*(); they win over the groups. Keys: "tp", "pp", "dp", "ep", "expt-tp",
 # "vpp", each with "_size" or "_rank".
@@ -64,111 +71,11 @@ _GROUP_DESCRIPTIONS = {
     "expt-dp": "expert data parallel",
     "tp-ep": "expert tensor and model parallel",
     "tp-ep-pp": "expert tensor, model and pipeline parallel",
+    **_FURTHER_DESCRIPTIONS,
 }
 
 
 # --------------------------------------------------------------------------------------- layout
-
-
-def generate_masked_orthogonal_rank_groups(
-    world_size: int, parallel_size: Sequence[int], mask: Sequence[bool]
-) -> list[list[int]]:
-    """Partitions ``range(world_size)`` into the groups that vary only along masked dimensions.
-
-    Rank ``r`` has coordinates ``c_i = (r // prod(parallel_size[:i])) % parallel_size[i]``
-    (dimension 0 varies fastest). Two ranks share a group exactly when their coordinates agree
-    on every unmasked dimension. Inside a group, and across groups, the first dimension again
-    varies fastest.
-
-    Args:
-        world_size: Number of ranks; must equal ``prod(parallel_size)``.
-        parallel_size: Size of each dimension, fastest first.
-        mask: Which dimensions a group spans.
-
-    Returns:
-        The groups, each a list of global ranks.
-
-    Example:
-        sizes ``[tp=2, dp=3]`` over 6 ranks: the mask ``[True, False]`` gives the tp groups
-        ``[[0, 1], [2, 3], [4, 5]]``; ``[False, True]`` gives the dp groups ``[[0, 2, 4],
-        [1, 3, 5]]``.
-    """
-    if len(parallel_size) != len(mask):
-        raise ValueError(
-            f"parallel_size {list(parallel_size)} and mask {list(mask)} differ in length"
-        )
-    if math.prod(parallel_size) != world_size:
-        raise ValueError(
-            f"the product of parallel_size {list(parallel_size)} must equal world_size "
-            f"({world_size})"
-        )
-    strides = [math.prod(parallel_size[:i]) for i in range(len(parallel_size))]
-    inner = [i for i, masked in enumerate(mask) if masked]
-    outer = [i for i, masked in enumerate(mask) if not masked]
-
-    def offsets(dims: list[int]) -> list[int]:
-        # itertools.product varies its last factor fastest; feed the dimensions reversed so the
-        # first one varies fastest, matching the rank numbering.
-        ranges = [range(parallel_size[d]) for d in reversed(dims)]
-        return [
-            sum(c * strides[d] for c, d in zip(coords, reversed(dims)))
-            for coords in itertools.product(*ranges)
-        ]
-
-    inner_offsets = offsets(inner)
-    return [[base + off for off in inner_offsets] for base in offsets(outer)]
-
-
-class RankGenerator:
-    """Enumerates the rank groups of one layout (dense or expert).
-
-    Args:
-        tp: Tensor-parallel size (the expert-tensor size in the expert layout).
-        ep: Expert-model-parallel size (1 in the dense layout).
-        dp: Data-parallel size (the expert-data size in the expert layout).
-        pp: Pipeline-parallel size.
-        cp: Context-parallel size (1 in the expert layout).
-        order: Dimension order, fastest first, e.g. ``"tp-cp-ep-dp-pp"``. A dimension missing
-            from it must have size 1.
-        rank_offset: Added to every rank (only 0 is supported by ``initialize_model_parallel``).
-    """
-
-    def __init__(self, tp: int, ep: int, dp: int, pp: int, cp: int, order: str, rank_offset=0):
-        self.sizes = {"tp": tp, "ep": ep, "dp": dp, "pp": pp, "cp": cp}
-        tokens = order.lower().split("-")
-        unknown = [t for t in tokens if t not in _LAYOUT_TOKENS]
-        if unknown or len(set(tokens)) != len(tokens):
-            raise ValueError(
-                f"order={order!r}: use each of {', '.join(_LAYOUT_TOKENS)} at most once, "
-                "joined by '-', e.g. 'tp-cp-ep-dp-pp'."
-            )
-        for token in _LAYOUT_TOKENS:
-            if token not in tokens:
-                if self.sizes[token] != 1:
-                    raise ValueError(
-                        f"order={order!r} lacks {token!r} but its size is {self.sizes[token]}; "
-                        f"add {token!r} to the order."
-                    )
-                tokens.append(token)
-        self.order = tokens
-        self.rank_offset = rank_offset
-        self.world_size = math.prod(self.sizes.values())
-
-    def get_ranks(self, token: str) -> list[list[int]]:
-        """Returns every group spanning the dimensions named in ``token`` (e.g. ``"tp-cp"``)."""
-        wanted = token.split("-")
-        unknown = [t for t in wanted if t not in _LAYOUT_TOKENS]
-        if unknown:
-            raise ValueError(f"unknown parallel dimension(s) {unknown} in {token!r}")
-        groups = generate_masked_orthogonal_rank_groups(
-            self.world_size,
-            [self.sizes[t] for t in self.order],
-            [t in wanted for t in self.order],
-        )
-        return [[rank + self.rank_offset for rank in group] for group in groups]
-
-
-# ----------------------------------------------------------------------------- initialization
 
 
 def _check_positive(name: str, value) -> None:
@@ -231,10 +138,11 @@ def initialize_model_parallel(
         nccl_communicator_config_path: NCCL tuning file. Accepted and ignored (performance).
         distributed_timeout_minutes: Timeout of collectives on the new groups.
         order: Order of the parallel dimensions, fastest first.
-        get_embedding_ranks: Not supported (no embedding groups are built); must be None.
-        get_position_embedding_ranks: Not supported; must be None.
-        create_gloo_process_groups: Upstream builds gloo copies of the data-parallel groups for
-            checkpointing; nothing in this fork uses them, so none are built.
+        get_embedding_ranks: Given a pipeline group's ranks, the ranks sharing the word
+            embeddings; default: its first and last stage.
+        get_position_embedding_ranks: The same for position embeddings; default: first stage.
+        create_gloo_process_groups: Also build gloo copies of the data-parallel, data x
+            context-parallel and expert-data-parallel groups.
         high_priority_stream_groups: NCCL stream priorities. Accepted and ignored (performance).
         sharp_enabled_group: Accepted and ignored (performance).
         rank_offset: Not supported; must be 0.
@@ -273,8 +181,6 @@ def initialize_model_parallel(
     _refuse("gtp_remat_size", gtp_remat_size, 1, why)
     _refuse("expert_gtp_remat_size", expert_gtp_remat_size, 1, why)
     _refuse("num_distributed_optimizer_instances", num_distributed_optimizer_instances, 1, why)
-    _refuse("get_embedding_ranks", get_embedding_ranks, None, why)
-    _refuse("get_position_embedding_ranks", get_position_embedding_ranks, None, why)
     _refuse("rank_offset", rank_offset, 0, "the layout always spans the whole world.")
     _refuse("local_world_size", local_world_size, None, "the layout always spans the whole world.")
     if use_sharp or nccl_communicator_config_path or high_priority_stream_groups:
@@ -333,13 +239,15 @@ def initialize_model_parallel(
     # Re-initializing replaces the previous groups; overrides set by hand stay as they are.
     _GROUPS.clear()
     _GROUP_RANKS.clear()
+    _LAYOUT_RANKS.clear()
     timeout = timedelta(minutes=distributed_timeout_minutes)
     backend = torch.distributed.get_backend()
 
     def build(key: str, generator: RankGenerator, token: str, group_backend=None) -> None:
         # new_group is collective over the whole world: every rank creates every group, in the
         # same order, and keeps the one it belongs to.
-        for ranks in generator.get_ranks(token):
+        _LAYOUT_RANKS[key] = generator.get_ranks(token)
+        for ranks in _LAYOUT_RANKS[key]:
             group = torch.distributed.new_group(
                 ranks, timeout=timeout, backend=group_backend or backend
             )
@@ -361,6 +269,13 @@ def initialize_model_parallel(
     build("tp-ep", expert, "tp-ep")
     build("tp-ep-pp", expert, "tp-ep-pp")
     build("expt-dp", expert, "dp")
+    build_further_groups(
+        rank,
+        timeout,
+        create_gloo_process_groups,
+        get_embedding_ranks,
+        get_position_embedding_ranks,
+    )
 
     if virtual_pipeline_model_parallel_size is not None:
         _OVERRIDES["vpp_rank"] = 0
@@ -388,6 +303,7 @@ def destroy_model_parallel() -> None:
     """
     _GROUPS.clear()
     _GROUP_RANKS.clear()
+    _LAYOUT_RANKS.clear()
     _OVERRIDES.clear()
     destroy_global_memory_buffer()
 
@@ -751,22 +667,6 @@ def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
 _GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
 
 
-def get_model_parallel_src_rank() -> int:
-    """The global rank of the first rank of this rank's model-parallel (tensor x pipeline) group."""
-    return _ranks("mp")[0]
-
-
-def get_expert_model_parallel_src_rank() -> int:
-    """The global rank of the first rank of this rank's expert-model-parallel group."""
-    return _ranks("ep")[0]
-
-
-def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
-    """The ranks of one distributed-optimizer instance: here the data x context-parallel group,
-    since this fork builds a single instance."""
-    return _group("dp-cp", check_initialized)
-
-
 def get_global_memory_buffer() -> GlobalMemoryBuffer:
     """The process-wide scratch buffer created by ``initialize_model_parallel``.
 
@@ -786,15 +686,51 @@ def destroy_global_memory_buffer() -> None:
     _GLOBAL_MEMORY_BUFFER = None
 
 
-def get_all_ranks() -> str:
-    """This rank's index in its tensor, weight-rematerialization (always 0 here), data, context,
-    pipeline and expert-model-parallel groups, joined by ``_`` (e.g. ``"1_0_0_0_0_1"``)."""
-    ranks = [
-        get_tensor_model_parallel_rank(),
-        0,
-        get_data_parallel_rank(),
-        get_context_parallel_rank(),
-        get_pipeline_model_parallel_rank(),
-        get_expert_model_parallel_rank(),
-    ]
-    return "_".join(str(rank or 0) for rank in ranks)
+# Upstream's module-level group variables, for code that reads them directly (e.g. tests that
+# check ``parallel_state._MODEL_PARALLEL_GROUP is None`` after a reset). Read-only views of the
+# tables above; None when the group does not exist.
+def __getattr__(name: str):
+    legacy = LEGACY_GROUP_NAMES.get(name)
+    if legacy is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    table = _GROUPS if legacy[0] == "group" else _GROUP_RANKS
+    return table.get(legacy[1])
+
+
+# The further groups and helpers (see megatron.core.parallel_state_groups), under this module's
+# name as upstream has them. Imported last: that module reads this one's tables lazily.
+from megatron.core.parallel_state_groups import (  # noqa: E402, F401 - re-exported
+    LEGACY_GROUP_NAMES,
+    build_further_groups,
+    create_all_gather_groups,
+    create_group,
+    create_hierarchical_groups,
+    create_hybrid_dp_cp_groups,
+    default_embedding_ranks,
+    default_position_embedding_ranks,
+    get_all_ranks,
+    get_data_parallel_group_gloo,
+    get_embedding_group,
+    get_expert_data_parallel_group_gloo,
+    get_expert_gtp_weight_remat_global_ranks,
+    get_expert_gtp_weight_remat_group,
+    get_expert_gtp_weight_remat_rank,
+    get_expert_gtp_weight_remat_world_size,
+    get_expert_model_parallel_src_rank,
+    get_gtp_weight_remat_global_ranks,
+    get_gtp_weight_remat_group,
+    get_gtp_weight_remat_rank,
+    get_gtp_weight_remat_world_size,
+    get_hierarchical_context_parallel_groups,
+    get_hybrid_data_context_parallel_groups,
+    get_inter_distributed_optimizer_instance_group,
+    get_intra_distributed_optimizer_instance_group,
+    get_model_parallel_src_rank,
+    get_nccl_options,
+    get_position_embedding_group,
+    is_rank_in_embedding_group,
+    is_rank_in_position_embedding_group,
+    logger,
+    overwrite_nccl_comm_cfgs,
+    update_pg_timeout,
+)
