@@ -60,26 +60,79 @@ from megatron.core.utils import (
     get_tensor_model_parallel_group_if_none,
 )
 
+# Upstream's set: the expert and fused-QKV markers travel with the tensor-parallel ones, so a
+# copied parameter (e.g. an optimizer's fp32 master) keeps every attribute upstream code reads.
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "expert_tp": False,
+    "is_qkv": False,
+    "qkv_split_shapes": None,
     "tensor_model_parallel": False,
     "partition_dim": -1,
     "partition_stride": 1,
 }
 
+# Attributes of GTP weight rematerialisation that a parameter's copies must keep (which axis
+# counts the parameter once, its checkpoint writer group, and its shard padding).
+_GTP_ATTRIBUTES = ("is_gtp_weight_remat", "allreduce", "gtp_replica_group", "pad_length")
+
 
 # ------------------------------------------------------------------- parameter attributes
 
 
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor) -> bool:
+def param_is_not_tensor_parallel_duplicate(
+    param: torch.Tensor,
+    tp_group: Optional[torch.distributed.ProcessGroup] = None,
+    expert_tp_group: Optional[torch.distributed.ProcessGroup] = None,
+) -> bool:
     """Whether ``param`` counts once per tensor-parallel group (a shard, or on TP rank 0).
 
     Used to avoid counting replicated parameters once per rank (e.g. in gradient norms).
+
+    Args:
+        param: The parameter.
+        tp_group: The tensor-parallel group to judge rank 0 in; None reads ``parallel_state``.
+        expert_tp_group: Used instead of ``tp_group`` for a parameter marked
+            ``allreduce=False`` (reduced over the expert data-parallel group, so duplicated
+            across the expert tensor-parallel group).
     """
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    if not getattr(param, "allreduce", True) and expert_tp_group is not None:
+        tp_group = expert_tp_group
+    if tp_group is not None:
+        return tp_group.rank() == 0
     from megatron.core import parallel_state
 
-    return getattr(param, "tensor_model_parallel", False) or (
-        parallel_state.get_tensor_model_parallel_rank() == 0
-    )
+    return parallel_state.get_tensor_model_parallel_rank() == 0
+
+
+def copy_gtp_attributes(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies the GTP weight-rematerialisation attributes ``source`` has to ``destination``.
+
+    Args:
+        destination: A view or copy of ``source`` (e.g. an optimizer's master shard).
+        source: The model parameter.
+    """
+    for attribute in _GTP_ATTRIBUTES:
+        if hasattr(source, attribute):
+            setattr(destination, attribute, getattr(source, attribute))
+
+
+def param_is_not_gtp_duplicate(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient counts once across the GTP weight-rematerialisation axis.
+
+    A rematerialised shard (``is_gtp_weight_remat``) is unique on every rank of that axis; any
+    other parameter is replicated across it and counts on its rank 0 only: the expert axis for
+    parameters marked ``allreduce=False``, the dense axis otherwise. Without GTP every rank is
+    rank 0, so every parameter counts.
+    """
+    if getattr(param, "is_gtp_weight_remat", False):
+        return True
+    from megatron.core import parallel_state
+
+    if not getattr(param, "allreduce", True):
+        return parallel_state.get_expert_gtp_weight_remat_rank() == 0
+    return parallel_state.get_gtp_weight_remat_rank() == 0
 
 
 def set_tensor_model_parallel_attributes(
@@ -336,6 +389,36 @@ def linear_with_grad_accumulation_and_async_allreduce(
         tp_group,
     )
     return output.to(output_dtype) if output_dtype is not None else output
+
+
+class LinearWithFrozenWeight(torch.autograd.Function):
+    """``input @ weight.T + bias`` whose backward computes the input gradient only.
+
+    The weight (and bias) are treated as constants: their gradients are None. With
+    ``allreduce_dgrad`` the input gradient is all-reduced over ``tp_group`` (the backward of a
+    column-parallel layer whose input was copied to every rank).
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group, output_dtype):
+        """Runs the linear; ``output_dtype`` (None: the input's) is the output's dtype."""
+        ctx.save_for_backward(weight)
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.tp_group = tp_group
+        ctx.input_dtype = input.dtype
+        output = torch.matmul(input, weight.t())
+        if bias is not None:
+            output = output + bias
+        return output if output_dtype is None else output.to(output_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        """Returns the input gradient; None for the weight, bias and the options."""
+        (weight,) = ctx.saved_tensors
+        grad_input = grad_output.to(ctx.input_dtype).matmul(weight)
+        if ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(grad_input, group=ctx.tp_group)
+        return grad_input, None, None, None, None, None
 
 
 def linear_with_frozen_weight(

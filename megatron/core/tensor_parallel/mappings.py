@@ -74,6 +74,23 @@ def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(gathered.chunk(world_size, dim=0), dim=-1)
 
 
+def _reduce_scatter_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
+    world_size = get_pg_size(group)
+    if world_size == 1:
+        return input_
+    if input_.size(-1) % world_size != 0:
+        raise ValueError(
+            f"last dimension ({input_.size(-1)}) is not divisible by the tensor-parallel size "
+            f"({world_size})"
+        )
+    # Reduce-scatter works on dim 0 everywhere: stack the last-dim chunks along dim 0 (chunk r
+    # for rank r), reduce-scatter them, and give the result back its leading dims.
+    shape = (*input_.shape[:-1], input_.size(-1) // world_size)
+    flat = input_.reshape(-1, input_.size(-1))
+    stacked = torch.cat(flat.chunk(world_size, dim=-1), dim=0)
+    return _reduce_scatter_along_first_dim(stacked, group).reshape(shape)
+
+
 def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     world_size = get_pg_size(group)
     if world_size == 1:
@@ -244,6 +261,32 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_along_first_dim(grad_output, ctx.group, ctx.input_split_sizes), None, None
 
 
+class _AllGatherFromTensorParallelRegion(torch.autograd.Function):
+    """All-gathers along the last dim; reduce-scatters the gradient along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _gather_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _reduce_scatter_along_last_dim(grad_output, ctx.group), None
+
+
+class _ReduceScatterToTensorParallelRegion(torch.autograd.Function):
+    """Reduce-scatters along the last dim; all-gathers the gradient along the last dim."""
+
+    @staticmethod
+    def forward(ctx, input_, group):
+        ctx.group = group
+        return _reduce_scatter_along_last_dim(input_, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _gather_along_last_dim(grad_output, ctx.group), None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, input_, output_split_sizes, input_split_sizes):
@@ -360,6 +403,7 @@ def all_to_all(
     input_: torch.Tensor,
     output_split_sizes: Optional[list[int]] = None,
     input_split_sizes: Optional[list[int]] = None,
+    use_nccl_stream: bool = False,
 ) -> torch.Tensor:
     """Exchanges pieces of the first dimension between all ranks of ``group``.
 
@@ -368,8 +412,80 @@ def all_to_all(
         input_: Pieces to send, rank 0's first.
         output_split_sizes: Length of the piece received from each rank (None: equal pieces).
         input_split_sizes: Length of the piece sent to each rank (None: equal pieces).
+        use_nccl_stream: Accepted for upstream's signature. Upstream may then run the exchange
+            on NCCL's own stream; here it always runs on the current stream, which gives the
+            same result (only the overlap with other work can differ).
 
     Returns:
         The received pieces, concatenated in rank order.
+
+    Raises:
+        ValueError: ``group`` is None.
     """
+    del use_nccl_stream
+    if group is None:
+        raise ValueError("all_to_all needs a process group (e.g. the expert-parallel group).")
     return _AllToAll.apply(group, input_, output_split_sizes, input_split_sizes)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(
+    input_: torch.Tensor, group=None
+) -> torch.Tensor:
+    """All-gathers the last dimension across ``group`` (default: the tensor-parallel group).
+
+    The gradient is reduce-scattered along the last dimension.
+    """
+    return _AllGatherFromTensorParallelRegion.apply(input_, _group_or_default(group))
+
+
+def reduce_scatter_last_dim_to_tensor_parallel_region(
+    input_: torch.Tensor, group=None
+) -> torch.Tensor:
+    """Sums across ``group`` and keeps this rank's chunk of the last dimension.
+
+    ``group`` defaults to the tensor-parallel group; the gradient is all-gathered along the last
+    dimension.
+    """
+    return _ReduceScatterToTensorParallelRegion.apply(input_, _group_or_default(group))
+
+
+def all_to_all_sp2hp(input_: torch.Tensor, group=None) -> torch.Tensor:
+    """Sequence-split ``[tokens / TP, H]`` to hidden-split ``[tokens, H / TP]`` by an all-to-all.
+
+    Leading dims are flattened into the token dim. ``group`` defaults to the tensor-parallel
+    group.
+
+    Raises:
+        ValueError: H is not divisible by the group size.
+    """
+    group = _group_or_default(group)
+    world_size = get_pg_size(group)
+    flat = input_.reshape(-1, input_.size(-1))
+    if flat.size(-1) % world_size != 0:
+        raise ValueError(
+            f"all_to_all_sp2hp: hidden size {flat.size(-1)} is not divisible by the group size "
+            f"{world_size}"
+        )
+    # Rank r receives hidden chunk r of every rank's tokens, in rank (= token) order.
+    return all_to_all(group, torch.cat(flat.chunk(world_size, dim=-1), dim=0))
+
+
+def all_to_all_hp2sp(input_: torch.Tensor, group=None) -> torch.Tensor:
+    """Hidden-split ``[tokens, H / TP]`` to sequence-split ``[tokens / TP, H]`` by an all-to-all.
+
+    The inverse of :func:`all_to_all_sp2hp`. ``group`` defaults to the tensor-parallel group.
+
+    Raises:
+        ValueError: The token count is not divisible by the group size.
+    """
+    group = _group_or_default(group)
+    world_size = get_pg_size(group)
+    flat = input_.reshape(-1, input_.size(-1))
+    if flat.size(0) % world_size != 0:
+        raise ValueError(
+            f"all_to_all_hp2sp: token count {flat.size(0)} is not divisible by the group size "
+            f"{world_size}"
+        )
+    exchanged = all_to_all(group, flat)
+    # Piece r now holds this rank's tokens' hidden chunk r; lay the chunks side by side.
+    return torch.cat(exchanged.chunk(world_size, dim=0), dim=-1)
