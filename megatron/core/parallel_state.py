@@ -347,12 +347,16 @@ def get_pipeline_model_parallel_group(check_initialized: bool = True):
 
 
 def get_data_parallel_group(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False,
+    with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ):
     """Returns the data-parallel group of this rank.
 
     Args:
         with_context_parallel: Include the context-parallel ranks (they hold the same weights).
+        with_gtp_remat: Include the GTP weight-rematerialisation peers. GTP is off in this
+            fork (one rank per GTP group), so the group is the same either way.
         partial_data_parallel: The group of one distributed-optimizer instance; with the single
             instance this fork supports, that is the whole data-parallel group.
     """
@@ -374,9 +378,11 @@ def get_tensor_and_context_parallel_group(check_initialized: bool = True):
     return _group("tp-cp", check_initialized)
 
 
-def get_tensor_and_data_parallel_group(with_context_parallel: bool = False):
+def get_tensor_and_data_parallel_group(
+    check_initialized: bool = True, with_context_parallel: bool = False
+):
     """Returns the tensor x data (x context, if asked) parallel group of this rank."""
-    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+    return _group("tp-dp-cp" if with_context_parallel else "tp-dp", check_initialized)
 
 
 def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False):
@@ -406,17 +412,26 @@ def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
     return _group("tp-ep", check_initialized)
 
 
-def get_expert_tensor_model_pipeline_parallel_group(check_initialized: bool = True):
-    """Returns the expert-tensor x expert-model x pipeline-parallel group."""
+def get_expert_tensor_model_pipeline_parallel_group(
+    check_initialized: bool = True, with_egtp_remat: bool = False
+):
+    """Returns the expert-tensor x expert-model x pipeline-parallel group.
+
+    ``with_egtp_remat`` (merge the expert GTP peers in) gives the same group here: expert GTP
+    is off, one rank per group.
+    """
     return _group("tp-ep-pp", check_initialized)
 
 
 def get_expert_data_parallel_group(
-    check_initialized: bool = True, partial_expert_data_parallel: bool = False
+    check_initialized: bool = True,
+    with_gtp_remat: bool = True,
+    partial_expert_data_parallel: bool = False,
 ):
     """Returns the expert-data-parallel group (ranks holding the same expert shard).
 
-    ``partial_expert_data_parallel`` is the whole group here (one optimizer instance).
+    ``partial_expert_data_parallel`` is the whole group here (one optimizer instance), and
+    ``with_gtp_remat`` changes nothing (expert GTP is off).
     """
     return _group("expt-dp", check_initialized)
 
@@ -463,14 +478,18 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def get_data_parallel_world_size(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False,
+    with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
     """Returns the data-parallel size (the override, if set)."""
     return _size("dp-cp" if with_context_parallel else "dp", "dp")
 
 
 def get_data_parallel_rank(
-    with_context_parallel: bool = False, partial_data_parallel: bool = False
+    with_context_parallel: bool = False,
+    with_gtp_remat: bool = True,
+    partial_data_parallel: bool = False,
 ) -> int:
     """Returns this rank's index in its data-parallel group (the override, if set)."""
     return _rank("dp-cp" if with_context_parallel else "dp", "dp")
@@ -526,12 +545,16 @@ def get_expert_tensor_and_model_parallel_rank() -> int:
     return _rank("tp-ep", "tp-ep")
 
 
-def get_expert_data_parallel_world_size(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_world_size(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """Returns the expert-data-parallel size."""
     return _size("expt-dp", "expt-dp")
 
 
-def get_expert_data_parallel_rank(partial_expert_data_parallel: bool = False) -> int:
+def get_expert_data_parallel_rank(
+    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
+) -> int:
     """Returns this rank's index in its expert-data-parallel group."""
     return _rank("expt-dp", "expt-dp")
 
@@ -608,59 +631,35 @@ def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] 
 # ------------------------------------------------------------------------------ overrides
 
 
-def set_tensor_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Overrides the tensor-parallel size reported by the getters (None removes it)."""
-    _OVERRIDES["tp_size"] = world_size
+def _size_setter(key: str, what: str) -> Callable[[Optional[int]], None]:
+    def setter(world_size: Optional[int]) -> None:
+        _OVERRIDES[key] = world_size
+
+    setter.__doc__ = f"Overrides the {what} size reported by the getters (None removes it)."
+    return setter
 
 
-def set_tensor_model_parallel_rank(rank: Optional[int]) -> None:
-    """Overrides the tensor-parallel rank reported by the getters (None removes it)."""
-    _OVERRIDES["tp_rank"] = rank
+def _rank_setter(key: str, what: str) -> Callable[[Optional[int]], None]:
+    def setter(rank: Optional[int]) -> None:
+        _OVERRIDES[key] = rank
+
+    setter.__doc__ = f"Overrides the {what} rank reported by the getters (None removes it)."
+    return setter
 
 
-def set_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Overrides the pipeline-parallel size reported by the getters (None removes it)."""
-    _OVERRIDES["pp_size"] = world_size
-
-
-def set_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
-    """Overrides the pipeline-parallel rank reported by the getters (None removes it)."""
-    _OVERRIDES["pp_rank"] = rank
-
-
-def set_data_parallel_rank(rank: Optional[int]) -> None:
-    """Overrides the data-parallel rank reported by the getters (None removes it)."""
-    _OVERRIDES["dp_rank"] = rank
-
-
-def set_expert_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Overrides the expert-model-parallel size reported by the getters (None removes it)."""
-    _OVERRIDES["ep_size"] = world_size
-
-
-def set_expert_model_parallel_rank(rank: Optional[int]) -> None:
-    """Overrides the expert-model-parallel rank reported by the getters (None removes it)."""
-    _OVERRIDES["ep_rank"] = rank
-
-
-def set_expert_tensor_parallel_world_size(world_size: Optional[int]) -> None:
-    """Overrides the expert-tensor-parallel size reported by the getters (None removes it)."""
-    _OVERRIDES["expt-tp_size"] = world_size
-
-
-def set_expert_tensor_parallel_rank(rank: Optional[int]) -> None:
-    """Overrides the expert-tensor-parallel rank reported by the getters (None removes it)."""
-    _OVERRIDES["expt-tp_rank"] = rank
-
-
-def set_virtual_pipeline_model_parallel_world_size(world_size: Optional[int]) -> None:
-    """Sets the number of virtual pipeline chunks per stage."""
-    _OVERRIDES["vpp_size"] = world_size
-
-
-def set_virtual_pipeline_model_parallel_rank(rank: Optional[int]) -> None:
-    """Sets the current virtual pipeline chunk."""
-    _OVERRIDES["vpp_rank"] = rank
+# Each setter only fixes a value in _OVERRIDES; made by the two factories above because they
+# differ in the key alone.
+set_tensor_model_parallel_world_size = _size_setter("tp_size", "tensor-parallel")
+set_tensor_model_parallel_rank = _rank_setter("tp_rank", "tensor-parallel")
+set_pipeline_model_parallel_world_size = _size_setter("pp_size", "pipeline-parallel")
+set_pipeline_model_parallel_rank = _rank_setter("pp_rank", "pipeline-parallel")
+set_data_parallel_rank = _rank_setter("dp_rank", "data-parallel")
+set_expert_model_parallel_world_size = _size_setter("ep_size", "expert-model-parallel")
+set_expert_model_parallel_rank = _rank_setter("ep_rank", "expert-model-parallel")
+set_expert_tensor_parallel_world_size = _size_setter("expt-tp_size", "expert-tensor-parallel")
+set_expert_tensor_parallel_rank = _rank_setter("expt-tp_rank", "expert-tensor-parallel")
+set_virtual_pipeline_model_parallel_world_size = _size_setter("vpp_size", "virtual pipeline")
+set_virtual_pipeline_model_parallel_rank = _rank_setter("vpp_rank", "virtual pipeline")
 
 
 # ----------------------------------------------------------------------------- more getters
@@ -699,38 +698,8 @@ def __getattr__(name: str):
 
 # The further groups and helpers (see megatron.core.parallel_state_groups), under this module's
 # name as upstream has them. Imported last: that module reads this one's tables lazily.
-from megatron.core.parallel_state_groups import (  # noqa: E402, F401 - re-exported
+from megatron.core.parallel_state_groups import *  # noqa: E402, F401, F403 - see its __all__
+from megatron.core.parallel_state_groups import (  # noqa: E402
     LEGACY_GROUP_NAMES,
     build_further_groups,
-    create_all_gather_groups,
-    create_group,
-    create_hierarchical_groups,
-    create_hybrid_dp_cp_groups,
-    default_embedding_ranks,
-    default_position_embedding_ranks,
-    get_all_ranks,
-    get_data_parallel_group_gloo,
-    get_embedding_group,
-    get_expert_data_parallel_group_gloo,
-    get_expert_gtp_weight_remat_global_ranks,
-    get_expert_gtp_weight_remat_group,
-    get_expert_gtp_weight_remat_rank,
-    get_expert_gtp_weight_remat_world_size,
-    get_expert_model_parallel_src_rank,
-    get_gtp_weight_remat_global_ranks,
-    get_gtp_weight_remat_group,
-    get_gtp_weight_remat_rank,
-    get_gtp_weight_remat_world_size,
-    get_hierarchical_context_parallel_groups,
-    get_hybrid_data_context_parallel_groups,
-    get_inter_distributed_optimizer_instance_group,
-    get_intra_distributed_optimizer_instance_group,
-    get_model_parallel_src_rank,
-    get_nccl_options,
-    get_position_embedding_group,
-    is_rank_in_embedding_group,
-    is_rank_in_position_embedding_group,
-    logger,
-    overwrite_nccl_comm_cfgs,
-    update_pg_timeout,
 )

@@ -30,6 +30,25 @@ _MPU_GETTERS = {
     # One distributed-optimizer instance: the "intra" groups are the whole data-parallel groups.
     "intra_dp_cp": lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
     "intra_expt_dp": parallel_state.get_expert_data_parallel_group,
+    "embd": lambda: parallel_state.get_embedding_group(check_initialized=False),
+    "pos_embd": lambda: parallel_state.get_position_embedding_group(check_initialized=False),
+    "hcp": lambda: parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False),
+    "inter_dist_opt": lambda: parallel_state.get_inter_distributed_optimizer_instance_group(
+        check_initialized=False
+    ),
+    "intra_dist_opt": parallel_state.get_intra_distributed_optimizer_instance_group,
+    # GTP is off: the "with GTP" variants are the plain groups, the GTP groups single ranks.
+    "tp_ep_pp_with_egtp_remat": parallel_state.get_expert_tensor_model_pipeline_parallel_group,
+    "dp_cp_gtp_remat": lambda: parallel_state.get_data_parallel_group(with_context_parallel=True),
+    "expt_dp_gtp_remat": parallel_state.get_expert_data_parallel_group,
+    "gtp_remat": lambda: parallel_state.get_gtp_weight_remat_group(check_initialized=False),
+    "expt_gtp_remat": lambda: parallel_state.get_expert_gtp_weight_remat_group(
+        check_initialized=False
+    ),
+    # The all-gather communicators exist only after create_all_gather_groups(), which returns
+    # them for the caller to put here; use_mpu_process_groups leaves them unset, as upstream.
+    "dp_cp_ag": lambda: None,
+    "expt_dp_ag": lambda: None,
 }
 
 _ProcessGroup = Optional[torch.distributed.ProcessGroup]
@@ -50,8 +69,8 @@ class ProcessGroupCollection:
         tp: Tensor-model-parallel group.
         pp: Pipeline-model-parallel group.
         mp: Model-parallel (tensor x pipeline) group.
-        embd: Embedding group (not built by this fork's parallel_state).
-        pos_embd: Position-embedding group (not built by this fork's parallel_state).
+        embd: Embedding group (first and last pipeline stage).
+        pos_embd: Position-embedding group (first pipeline stage).
         cp: Context-parallel group.
         tp_cp: Tensor x context-parallel group.
         hcp: Hierarchical context-parallel groups (not built by this fork's parallel_state).
@@ -59,14 +78,23 @@ class ProcessGroupCollection:
         expt_tp: Expert-tensor-parallel group.
         tp_ep: Expert-tensor x expert-model-parallel group.
         tp_ep_pp: Expert-tensor x expert-model x pipeline-parallel group.
+        tp_ep_pp_with_egtp_remat: The same with the expert GTP peers (the same group here).
         tp_dp: Tensor x data-parallel group.
         tp_dp_cp: Tensor x data x context-parallel group.
         dp: Data-parallel group.
         dp_cp: Data x context-parallel group.
+        dp_cp_gtp_remat: The same with the GTP peers (the same group here).
+        dp_cp_ag: A second data x context-parallel communicator for all-gathers
+            (``parallel_state.create_all_gather_groups``).
+        gtp_remat: GTP weight-rematerialisation group (a single rank here).
+        expt_gtp_remat: Expert GTP weight-rematerialisation group (a single rank here).
         expt_dp: Expert-data-parallel group.
+        expt_dp_gtp_remat: The same with the expert GTP peers (the same group here).
+        expt_dp_ag: A second expert-data-parallel communicator for all-gathers.
         intra_dp_cp: Data x context-parallel group of one distributed-optimizer instance.
         intra_expt_dp: Expert-data-parallel group of one distributed-optimizer instance.
         inter_dist_opt: Group across distributed-optimizer instances (not built here).
+        intra_dist_opt: Group of one distributed-optimizer instance.
     """
 
     tp: _ProcessGroup
@@ -81,14 +109,22 @@ class ProcessGroupCollection:
     expt_tp: _ProcessGroup
     tp_ep: _ProcessGroup
     tp_ep_pp: _ProcessGroup
+    tp_ep_pp_with_egtp_remat: _ProcessGroup
     tp_dp: _ProcessGroup
     tp_dp_cp: _ProcessGroup
     dp: _ProcessGroup
     dp_cp: _ProcessGroup
+    dp_cp_gtp_remat: _ProcessGroup
+    dp_cp_ag: _ProcessGroup
+    gtp_remat: _ProcessGroup
+    expt_gtp_remat: _ProcessGroup
     expt_dp: _ProcessGroup
+    expt_dp_gtp_remat: _ProcessGroup
+    expt_dp_ag: _ProcessGroup
     intra_dp_cp: _ProcessGroup
     intra_expt_dp: _ProcessGroup
     inter_dist_opt: _ProcessGroup
+    intra_dist_opt: _ProcessGroup
 
     def __init__(self, **groups):
         valid = {f.name for f in fields(self)}
@@ -131,17 +167,34 @@ class ProcessGroupCollection:
             A ``ProcessGroupCollection`` holding the requested groups.
 
         Raises:
-            ValueError: A requested name is unknown or not built by ``parallel_state``.
+            ValueError: A requested name is unknown.
             AssertionError: ``parallel_state`` is not initialized.
         """
         names = list(_MPU_GETTERS) if required_pgs is None else list(required_pgs)
         valid = {f.name for f in fields(cls)}
-        for name in names:
-            if name not in valid:
-                raise ValueError(f"unknown process group {name!r}; valid names: {sorted(valid)}")
-            if name not in _MPU_GETTERS:
-                raise ValueError(
-                    f"process group {name!r} is not built by this fork's parallel_state; "
-                    f"available: {sorted(_MPU_GETTERS)}"
-                )
+        invalid = [name for name in names if name not in valid]
+        if invalid:
+            # Upstream's phrase first: callers match on it.
+            raise ValueError(
+                f"Invalid process groups requested: {invalid}; valid names: {sorted(valid)}"
+            )
         return cls(**{name: _MPU_GETTERS[name]() for name in names})
+
+
+def resolve_gtp_remat_group(
+    pg_collection: Optional[ProcessGroupCollection], is_expert: bool
+) -> _ProcessGroup:
+    """The GTP weight-rematerialisation group a weight-owning module should use.
+
+    A collection that carries the group (set on it, even to a custom group or None) decides;
+    otherwise, and without a collection, the group comes from the global ``parallel_state``.
+
+    Args:
+        pg_collection: The caller's collection, or None.
+        is_expert: Use the expert axis (``expt_gtp_remat``) instead of the dense one.
+    """
+    name = "expt_gtp_remat" if is_expert else "gtp_remat"
+    # vars(), not hasattr(): unset declared groups read as None, so hasattr is always True.
+    if pg_collection is not None and name in vars(pg_collection):
+        return getattr(pg_collection, name)
+    return _MPU_GETTERS[name]()

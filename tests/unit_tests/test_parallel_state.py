@@ -230,20 +230,22 @@ def test_process_group_collection(single_rank):
     assert everything.tp is ps.get_tensor_model_parallel_group()
     assert everything.expt_tp is ps.get_expert_tensor_parallel_group()
     assert everything.dp_cp is ps.get_data_parallel_group(with_context_parallel=True)
-    # As upstream: a declared group that was not given reads as None; vars() tells what was given.
-    assert everything.embd is None and "embd" not in vars(everything)
+    assert everything.embd is ps.get_embedding_group()
+    assert everything.gtp_remat is ps.get_gtp_weight_remat_group()
+    # Groups this fork never builds are collected as None, as upstream's are when off.
+    assert everything.hcp is None and "hcp" in vars(everything)
+    assert everything.inter_dist_opt is None and everything.dp_cp_ag is None
 
     only_tp = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "ep"])
+    # As upstream: a declared group that was not given reads as None; vars() tells what was given.
     assert only_tp.dp is None and set(vars(only_tp)) == {"tp", "ep"}
     assert repr(only_tp) == "ProcessGroupCollection(tp(1), ep(1))"
     assert repr(ProcessGroupCollection()) == "ProcessGroupCollection(empty)"
     with pytest.raises(AttributeError, match="has no attribute 'tensor'"):
         only_tp.tensor  # noqa: B018 - not a declared group
 
-    with pytest.raises(ValueError, match="unknown process group 'nope'"):
+    with pytest.raises(ValueError, match="Invalid process groups requested: \\['nope'\\]"):
         ProcessGroupCollection.use_mpu_process_groups(required_pgs=["nope"])
-    with pytest.raises(ValueError, match="'embd' is not built"):
-        ProcessGroupCollection.use_mpu_process_groups(required_pgs=["embd"])
     with pytest.raises(ValueError, match="unknown process group name"):
         ProcessGroupCollection(tensor=None)
 

@@ -159,3 +159,29 @@ def test_two_rank_further_groups():
     # Power-of-two sizes from 2 up to half the ranks: none for two ranks.
     assert first["hybrid"] == {}
     assert not first["custom"] and second["custom"]
+
+
+def test_resolve_gtp_remat_group(single_rank):
+    from megatron.core.process_groups_config import ProcessGroupCollection, resolve_gtp_remat_group
+
+    assert resolve_gtp_remat_group(None, is_expert=False) is ps.get_gtp_weight_remat_group()
+    assert resolve_gtp_remat_group(None, is_expert=True) is ps.get_expert_gtp_weight_remat_group()
+    # A collection that carries the field decides, even when it holds None.
+    assert resolve_gtp_remat_group(ProcessGroupCollection(gtp_remat=None), is_expert=False) is None
+    custom = ps.get_tensor_model_parallel_group()
+    given = ProcessGroupCollection(expt_gtp_remat=custom)
+    assert resolve_gtp_remat_group(given, is_expert=True) is custom
+    # One without the field falls back to parallel_state.
+    assert resolve_gtp_remat_group(ProcessGroupCollection(), is_expert=False) is (
+        ps.get_gtp_weight_remat_group()
+    )
+
+
+def test_upstream_signatures_take_the_gtp_flags(single_rank):
+    assert ps.get_data_parallel_group(False, False) is ps.get_data_parallel_group()
+    assert ps.get_data_parallel_world_size(True, False) == 1
+    assert ps.get_expert_data_parallel_group(True, False) is ps.get_expert_data_parallel_group()
+    assert ps.get_tensor_and_data_parallel_group(False) is ps.get_tensor_and_data_parallel_group()
+    assert ps.get_expert_tensor_model_pipeline_parallel_group(True, True) is (
+        ps.get_expert_tensor_model_pipeline_parallel_group()
+    )
