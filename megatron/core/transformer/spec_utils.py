@@ -70,6 +70,25 @@ def import_module(module_path: Union[tuple[str, str], str]) -> Any:
         raise ImportError(f"Could not find spec '{name}' in module '{base_path}'") from error
 
 
+def get_module(spec_or_module: Union[ModuleSpec, type, Callable], **additional_kwargs) -> Any:
+    """Returns the class or function a spec names, importing it when named by path.
+
+    Args:
+        spec_or_module: A ``ModuleSpec``, or a class or function (returned as it is).
+        **additional_kwargs: Accepted for upstream's signature; unused.
+
+    Raises:
+        ImportError: The spec names a module or attribute that does not exist.
+    """
+    del additional_kwargs
+    if isinstance(spec_or_module, type | types.FunctionType):
+        return spec_or_module
+    module = spec_or_module.module
+    if isinstance(module, type | types.FunctionType):
+        return module
+    return import_module(module)
+
+
 def get_submodules(spec: Any) -> Any:
     """Returns the ``submodules`` a spec carries.
 

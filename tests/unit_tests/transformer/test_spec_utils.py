@@ -110,3 +110,14 @@ def test_megatron_module_keeps_its_config():
 def test_local_layer_spec_refuses_parts_this_fork_does_not_build(option):
     with pytest.raises(ValueError, match=f"{option}=True is not supported"):
         get_gpt_layer_local_submodules(**{option: True})
+
+
+def test_get_module_returns_or_imports_the_named_class():
+    from megatron.core.transformer.spec_utils import ModuleSpec as Spec
+    from megatron.core.transformer.spec_utils import get_module
+
+    assert get_module(torch.nn.Linear) is torch.nn.Linear
+    assert get_module(Spec(module=torch.nn.Linear)) is torch.nn.Linear
+    assert get_module(Spec(module=("torch.nn", "ReLU"))) is torch.nn.ReLU
+    with pytest.raises(ImportError, match="no_such_module"):
+        get_module(Spec(module=("no_such_module", "X")))
