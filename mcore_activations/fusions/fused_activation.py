@@ -125,8 +125,11 @@ def _unflatten(out, input_shape):
 
 
 def _flatten(x, probs):
-    x2d = x.reshape(-1, x.shape[-1])
-    probs2d = probs.reshape(-1, 1) if probs is not None else None
+    # Already-2-D inputs (the MoE experts' [tokens, width] and [tokens, 1]) skip the reshape.
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    probs2d = probs
+    if probs is not None and not (probs.dim() == 2 and probs.shape[1] == 1):
+        probs2d = probs.reshape(-1, 1)
     return x2d, probs2d
 
 
@@ -163,7 +166,8 @@ def saved_backward(ctx, grad):
     """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
-    grad2d = grad.reshape(x.shape[0], grad.shape[-1]).contiguous()
+    # The kernels make their operands contiguous themselves (free when they already are).
+    grad2d = grad if grad.dim() == 2 else grad.reshape(x.shape[0], grad.shape[-1])
     dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
     # Views only where the caller's shapes were not already the kernels' 2-D ones: each costs
     # microseconds of host time, a share of a small expert's call.

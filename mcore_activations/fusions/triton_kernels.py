@@ -519,11 +519,13 @@ def triton_backward(
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)
     else:
         rows_per_program, row_programs, dbias_part = block_m, row_blocks, None
-    dprobs_part = (
-        torch.empty((col_blocks, rows), dtype=torch.float32, device=x.device)
-        if v.has_probs
-        else None
-    )
+    # Per-column-block partial sums of the probability gradient, [col_blocks, rows, 1]. With one
+    # column block the kernel writes the finished [rows, 1] gradient and no index, sum or cast
+    # follows: each costs microseconds of host time, a share of a small expert's call.
+    dprobs_part = None
+    if v.has_probs:
+        part_shape = (rows, 1) if col_blocks == 1 else (col_blocks, rows, 1)
+        dprobs_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
     args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
     key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
     key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
@@ -532,6 +534,7 @@ def triton_backward(
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
     dprobs = None
     if v.has_probs:
-        summed = dprobs_part[0] if col_blocks == 1 else dprobs_part.sum(dim=0)
-        dprobs = summed.unsqueeze(1).to(probs.dtype)
+        dprobs = dprobs_part if col_blocks == 1 else dprobs_part.sum(dim=0)
+        if dprobs.dtype != probs.dtype:
+            dprobs = dprobs.to(probs.dtype)
     return dx, dbias, dprobs
