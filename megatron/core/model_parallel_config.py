@@ -127,6 +127,21 @@ class ModelParallelConfig(ModelParallelFeatureFields):
         return (ModelParallelFeatureFields,)
 
     def __post_init__(self):
+        self._upstream_post_init()
+        check_feature_field_choices(self, (ModelParallelFeatureFields,))
+        self._refuse_unsupported()
+
+    def _refuse_unsupported(self):
+        """Refuses what this fork cannot build. Runs after every upstream check (also in
+        subclasses), so a config upstream refuses reports upstream's error first."""
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}: this fork "
+                "implements the MLP stack only and supports pipeline_model_parallel_size=1."
+            )
+
+    def _upstream_post_init(self):
+        """Upstream's checks and derived values, in upstream's order."""
         # Checked before anything below derives a value, so "enabled" means "set by the user".
         feature_classes = self._feature_field_classes()
         warn_unimplemented_features(
@@ -135,11 +150,6 @@ class ModelParallelConfig(ModelParallelFeatureFields):
 
         if self.sequence_parallel and self.tensor_model_parallel_size <= 1:
             raise ValueError("Cannot use sequence parallelism without tensor parallelism")
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}: this fork "
-                "implements the MLP stack only and supports pipeline_model_parallel_size=1."
-            )
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
 
@@ -155,13 +165,16 @@ class ModelParallelConfig(ModelParallelFeatureFields):
             shards_field="expert_tensor_parallel_num_weight_shards",
             tp_field="expert_tensor_parallel_size",
         )
+        if self.pipeline_model_parallel_size > 1 and self.pipeline_dtype is None:
+            raise ValueError(
+                "When using pipeline parallelism, pipeline_dtype must be specified "
+                "(e.g. pipeline_dtype=torch.bfloat16)."
+            )
         if self.autocast_dtype is None:
             self.autocast_dtype = self.params_dtype
         if self.microbatch_group_size_per_vp_stage is None:
             self.microbatch_group_size_per_vp_stage = self.pipeline_model_parallel_size
         self._check_schedule_options()
-        # Last, so that upstream's own checks (and their exception types) fire first.
-        check_feature_field_choices(self, (ModelParallelFeatureFields,))
 
     def _check_schedule_options(self):
         """Upstream's value rules for the schedule options (accepted, not implemented here)."""

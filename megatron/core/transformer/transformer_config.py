@@ -293,7 +293,7 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
 
     def __post_init__(self):
         _check_field_types(self)
-        super().__post_init__()
+        self._upstream_post_init()
         apply_transformer_feature_rules(self)
 
         if self.num_attention_heads and self.num_attention_heads % self.tensor_model_parallel_size:
@@ -326,8 +326,10 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
             self.output_layer_init_method = scaled_init_method_normal(
                 self.init_method_std, self.num_layers
             )
-        # Last, so that upstream's own checks (and their exception types) fire first.
-        check_feature_field_choices(self, (TransformerFeatureFields,))
+        # Last, so that upstream's own checks (and their exception types) fire first: the
+        # declared-choice checks, then what only this fork refuses (e.g. pipeline parallelism).
+        check_feature_field_choices(self, self._feature_field_classes())
+        self._refuse_unsupported()
 
     # ------------------------------------------------------------------ MoE
     def _validate_moe(self):

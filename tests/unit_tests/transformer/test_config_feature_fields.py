@@ -193,3 +193,19 @@ def _local_submodules():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def test_upstream_errors_come_before_the_forks_own_refusals():
+    # pipeline_model_parallel_size=2 is legal upstream and refused only by this fork: a config
+    # that upstream itself refuses reports upstream's error first.
+    pp2 = dict(pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="glu_linear_offset"):
+        make(glu_linear_offset=1.0, **pp2)
+    with pytest.raises(ValueError, match="activation_func must be a callable"):
+        make(activation_func="silu", **pp2)
+    with pytest.raises(ValueError, match="cuda_graph_impl"):
+        make(cuda_graph_impl="cuda", **pp2)
+    with pytest.raises(ValueError, match="pipeline_dtype must be specified"):
+        make(pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="supports pipeline_model_parallel_size=1"):
+        make(**pp2)
