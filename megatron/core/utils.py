@@ -169,6 +169,9 @@ def get_model_config(model):
     return get_attr_wrapped_model(model, "config", allow_none=False)
 
 
+logger = logging.getLogger(__name__)
+
+
 # ----------------------------------------------------------------------------- logging, NVTX
 def log_single_rank(logger: logging.Logger, *args, rank: int = 0, **kwargs) -> None:
     """``logger.log(*args, **kwargs)`` on global rank ``rank`` only (always without distributed)."""
@@ -235,6 +238,404 @@ def deprecate_inference_params(inference_context, inference_params):
         )
         return inference_params
     return inference_context
+
+
+# ---------------------------------------------------------------------- small upstream helpers
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Asserts that ``numerator`` is divisible by ``denominator`` (AssertionError, as upstream)."""
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+
+
+def round_up_to_nearest_multiple(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def null_decorator(*args, **kwargs):
+    """A decorator that changes nothing, usable bare (``@null_decorator``) or with arguments."""
+    if not kwargs and len(args) == 1 and callable(args[0]):
+        return args[0]
+    return lambda func: func
+
+
+def accepts_parameter(func: Callable, name: str) -> bool:
+    """Whether ``func`` takes a parameter called ``name`` (or any keyword, via ``**kwargs``)."""
+    return any(
+        p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+        for p in inspect.signature(func).parameters.values()
+    )
+
+
+def is_submodule(module, parent_module, strict: bool = True) -> bool:
+    """Whether ``module`` is ``parent_module`` or inside it (``strict``: not the parent itself)."""
+    if strict and module is parent_module:
+        return False
+    return any(m is module for m in parent_module.modules())
+
+
+def unwrap_model(model, module_instances=None):
+    """Strips wrapper modules (each keeps the wrapped model in ``.module``).
+
+    Args:
+        model: A module or a list of modules.
+        module_instances: Wrapper classes to strip; default: this fork's wrappers
+            (``Float16Module``).
+
+    Returns:
+        The unwrapped module, or a list of them for a list.
+    """
+    if module_instances is None:
+        from megatron.core.transformer.module import Float16Module
+
+        module_instances = (Float16Module,)
+    models = model if isinstance(model, list) else [model]
+    unwrapped = []
+    for module in models:
+        while isinstance(module, module_instances):
+            module = module.module
+        unwrapped.append(module)
+    return unwrapped if isinstance(model, list) else unwrapped[0]
+
+
+def get_model_type(model):
+    """The ``model_type`` attribute of a (possibly wrapped) model."""
+    return get_attr_wrapped_model(model, "model_type")
+
+
+def get_model_xattn(model) -> bool:
+    """The ``xattn_needed`` attribute of a (possibly wrapped) model; False when it has none."""
+    try:
+        return get_attr_wrapped_model(model, "xattn_needed")
+    except RuntimeError:
+        return False
+
+
+def assert_viewless_tensor(tensor, extra_msg: Optional[str] = None):
+    """Asserts that ``tensor`` (or each tensor of a list) is not a view; returns it.
+
+    A view kept in a buffer or assigned through ``.data`` keeps its base alive: a memory leak.
+    """
+    if isinstance(tensor, list):
+        for item in tensor:
+            assert_viewless_tensor(item, extra_msg)
+        return tensor
+    if isinstance(tensor, torch.Tensor):
+        assert tensor._base is None, (
+            "Ensure tensor._base is None before setting tensor.data or storing the tensor in a "
+            f"memory buffer; a view keeps its base alive (a memory leak). {extra_msg}"
+        )
+    return tensor
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def to_local_if_dtensor(tensor):
+    """This rank's shard of a ``DTensor``; any other tensor unchanged."""
+    dtensor = _dtensor_class()
+    with torch.no_grad():
+        return tensor.to_local() if dtensor and isinstance(tensor, dtensor) else tensor
+
+
+def get_data_parallel_group_if_dtensor(tensor, data_parallel_group=None):
+    """The process group of a ``DTensor``'s device mesh, or None for a plain tensor.
+
+    Raises:
+        AssertionError: ``data_parallel_group`` is given and is not the mesh's group.
+    """
+    dtensor = _dtensor_class()
+    if dtensor and isinstance(tensor, dtensor):
+        group = tensor.device_mesh.get_group()
+        assert data_parallel_group is None or group == data_parallel_group
+        return group
+    return None
+
+
+def get_pg_src_rank(group=None) -> int:
+    """The global rank of ``group``'s first member (0 without a group or distributed)."""
+    if group is None or not torch.distributed.is_initialized():
+        return 0
+    return torch.distributed.get_process_group_ranks(group)[0]
+
+
+def log_on_each_pipeline_stage(
+    logger: logging.Logger, level: int, msg, *args, tp_group=None, dp_cp_group=None, **kwargs
+) -> None:
+    """Logs once per pipeline stage: on the rank that is first in its tensor- and data x
+    context-parallel groups (the given ones, or ``parallel_state``'s).
+
+    Raises:
+        ValueError: Only one of ``tp_group`` and ``dp_cp_group`` is given.
+    """
+    assert torch.distributed.is_initialized()
+    if (tp_group is None) != (dp_cp_group is None):
+        raise ValueError("tp_group and dp_cp_group must be provided or not provided together")
+    if not logger.isEnabledFor(level):
+        return
+    if tp_group is None:
+        from megatron.core import parallel_state
+
+        first = parallel_state.get_tensor_model_parallel_rank() == 0 and (
+            parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        )
+    else:
+        first = tp_group.rank() == 0 and dp_cp_group.rank() == 0
+    if first:
+        logger.log(level, msg, *args, **kwargs)
+
+
+_ASYNC_IO_LOOP = None
+
+
+def get_asyncio_loop(loop=None):
+    """``loop``, else the running event loop, else one process-wide loop created on first use."""
+    import asyncio
+
+    global _ASYNC_IO_LOOP
+    if loop is not None:
+        return loop
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        if _ASYNC_IO_LOOP is None:
+            _ASYNC_IO_LOOP = asyncio.new_event_loop()
+            asyncio.set_event_loop(_ASYNC_IO_LOOP)
+        return _ASYNC_IO_LOOP
+
+
+@functools.cache
+def _installed_version(import_name: str, distribution: str):
+    # The module's own __version__ wins (editable or vendored builds); else the pip metadata.
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    module = __import__(import_name)
+    return Version(str(getattr(module, "__version__", None) or version(distribution)))
+
+
+def _min_version(import_name: str, distribution: str, wanted: str, check_equality: bool) -> bool:
+    from packaging.version import Version
+
+    installed = _installed_version(import_name, distribution)
+    return installed >= Version(wanted) if check_equality else installed > Version(wanted)
+
+
+def get_fa_version():
+    """The installed flash-attn version (ImportError when it is not installed)."""
+    return _installed_version("flash_attn", "flash-attn")
+
+
+def is_fa_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether flash-attn is at least ``version`` (strictly newer without ``check_equality``)."""
+    return _min_version("flash_attn", "flash-attn", version, check_equality)
+
+
+def get_mamba_version():
+    """The installed mamba_ssm version (ImportError when it is not installed)."""
+    return _installed_version("mamba_ssm", "mamba_ssm")
+
+
+def is_mamba_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether mamba_ssm is at least ``version``."""
+    return _min_version("mamba_ssm", "mamba_ssm", version, check_equality)
+
+
+def get_causal_conv1d_version():
+    """The installed causal_conv1d version (ImportError when it is not installed)."""
+    return _installed_version("causal_conv1d", "causal_conv1d")
+
+
+def is_causal_conv1d_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether causal_conv1d is at least ``version``."""
+    return _min_version("causal_conv1d", "causal_conv1d", version, check_equality)
+
+
+def get_flashinfer_version():
+    """The installed flashinfer version (ImportError when it is not installed)."""
+    return _installed_version("flashinfer", "flashinfer-python")
+
+
+def is_flashinfer_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether flashinfer is at least ``version``."""
+    return _min_version("flashinfer", "flashinfer-python", version, check_equality)
+
+
+def get_emerging_optimizers_version():
+    """The installed emerging_optimizers version (ImportError when it is not installed)."""
+    return _installed_version("emerging_optimizers", "emerging_optimizers")
+
+
+def is_emerging_optimizers_min_version(version: str, check_equality: bool = True) -> bool:
+    """Whether emerging_optimizers is at least ``version``."""
+    return _min_version("emerging_optimizers", "emerging_optimizers", version, check_equality)
+
+
+# ------------------------------------------------------------------- API lifecycle markers
+class ExperimentalNotEnabledError(Exception):
+    """An experimental API was called while ``megatron.core.config.ENABLE_EXPERIMENTAL`` is off."""
+
+
+def _require_experimental(name: str) -> None:
+    from megatron.core import config
+
+    if config.is_experimental_enabled() is not True:
+        raise ExperimentalNotEnabledError(
+            f"{name} is experimental and config.ENABLE_EXPERIMENTAL is not enabled; call "
+            "megatron.core.config.set_experimental_flag(True) to use it."
+        )
+
+
+def experimental_fn(introduced_with_version: str):
+    """Marks a function experimental: calling it needs the experimental flag.
+
+    Args:
+        introduced_with_version: The megatron-core version that introduced it (recorded).
+
+    Raises:
+        ExperimentalNotEnabledError: At call time, when the flag is off.
+    """
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            _require_experimental(func.__qualname__)
+            return func(*args, **kwargs)
+
+        wrapper._experimental_since = introduced_with_version
+        return wrapper
+
+    return decorate
+
+
+def experimental_cls(introduced_with_version: str):
+    """Marks a class experimental: creating an instance needs the experimental flag.
+
+    Args:
+        introduced_with_version: The megatron-core version that introduced it (recorded).
+
+    Raises:
+        ExperimentalNotEnabledError: At construction, when the flag is off.
+    """
+
+    def decorate(cls):
+        original_init = cls.__init__
+
+        @functools.wraps(original_init)
+        def __init__(self, *args, **kwargs):
+            _require_experimental(cls.__qualname__)
+            original_init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        cls._experimental_since = introduced_with_version
+        return cls
+
+    return decorate
+
+
+def internal_api(func):
+    """Marks a function or class as internal (``_internal_api = True``); behaviour unchanged."""
+    func._internal_api = True
+    return func
+
+
+def experimental_api(func):
+    """Marks a function or class as experimental API (``_experimental_api = True``); behaviour
+    unchanged (unlike :func:`experimental_fn`, no flag is needed)."""
+    func._experimental_api = True
+    return func
+
+
+def deprecated(
+    version: str,
+    removal_version: Optional[str] = None,
+    alternative: Optional[str] = None,
+    reason: Optional[str] = None,
+):
+    """Marks a function deprecated: each call warns with ``DeprecationWarning``.
+
+    Args:
+        version: The version that deprecated it.
+        removal_version: The version that will remove it.
+        alternative: What to use instead.
+        reason: Why.
+    """
+
+    def decorate(func):
+        func._deprecated = True
+        func._deprecated_version = version
+        func._removal_version = removal_version
+        func._alternative = alternative
+        func._deprecation_reason = reason
+        parts = [f"{func.__name__} is deprecated since version {version}."]
+        if alternative:
+            parts.append(f"Use {alternative} instead.")
+        if removal_version:
+            parts.append(f"Will be removed in version {removal_version}.")
+        if reason:
+            parts.append(f"Reason: {reason}")
+        message = " ".join(parts)
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def deprecate_args(
+    *deprecated_keys: str,
+    message: str = "Argument '{name}' has been deprecated and should not be used.",
+):
+    """Makes a function refuse the named keyword arguments with ``TypeError(message)``.
+
+    Args:
+        *deprecated_keys: The refused argument names.
+        message: The error message; ``{name}`` is replaced by the argument's name.
+    """
+
+    def decorate(func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            for key in deprecated_keys:
+                if key in kwargs:
+                    raise TypeError(message.format(name=key))
+            return func(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def nvtx_decorator(message: Optional[str] = None):
+    """Wraps a function in an NVTX range (``message``, default its ``module.qualname``).
+
+    Whether profiling is on is read at call time (:func:`configure_nvtx_profiling`), so the
+    decorator can be applied at import.
+    """
+
+    def decorate(func):
+        name = message or f"{func.__module__}.{func.__qualname__}"
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            nvtx_range_push(name)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                nvtx_range_pop(name)
+
+        return wrapper
+
+    return decorate
 
 
 # ----------------------------------------------------------------------------- scratch memory
