@@ -48,6 +48,7 @@ from mcore_activations.fusions.kernel_params import (  # noqa: E402, F401
     GATE_SCALE,
     LINEAR_SCALE,
     OFFSET,
+    check_kernel_args,
     params_tensor,
     spec_params,
 )
@@ -276,10 +277,16 @@ def _compiled(variant: KernelVariant, direction: str, width: int) -> Callable:
 
 
 def compile_with_dynamic_rows(fn: Callable) -> Callable:
-    """``torch.compile(fn)``, called with dim 0 of every 2-D tensor argument marked dynamic."""
+    """``torch.compile(fn)``, called with dim 0 of every 2-D tensor argument marked dynamic.
+
+    Every call first refuses a Python number among the arguments (``check_kernel_args``): the
+    runtime half of the compile-boundary rule, for the kernels the static checker cannot prove.
+    """
     compiled = torch.compile(fn)
+    name = fn.__name__
 
     def run(*args):
+        check_kernel_args(name, args)
         for arg in args:
             if isinstance(arg, torch.Tensor) and arg.dim() == 2:
                 torch._dynamo.maybe_mark_dynamic(arg, 0)

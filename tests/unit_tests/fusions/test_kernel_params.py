@@ -45,3 +45,16 @@ def test_the_activations_compiled_helpers_are_guarded():
     for helper in (activations._tanh_soft_clamp, activations._situ):
         with pytest.raises(TypeError, match="Python number"):
             helper(x, 2.0)
+
+
+def test_the_fused_kernels_compiled_by_torch_are_guarded():
+    # The inductor backend's per-variant kernels (activation_kernels._compiled): a float where
+    # the params tensor belongs is refused before Dynamo sees it, and nothing is compiled.
+    from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+    from mcore_activations.fusions import activation_kernels as ak
+
+    spec = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=3.0)
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    kernel = ak._compiled(variant, "fwd", 8)
+    with pytest.raises(TypeError, match="argument 3 is the Python number 3.0"):
+        kernel(torch.randn(4, 8), None, None, 3.0)
