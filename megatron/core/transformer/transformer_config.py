@@ -551,3 +551,57 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
                 "use_te_activation_func must be False when activation_func_tanh_clamp_scale is "
                 "set: Transformer Engine's activation modules take no tanh clamp."
             )
+
+
+@dataclass
+class MLATransformerConfig(TransformerConfig):
+    """``TransformerConfig`` with the settings of multi-latent attention (MLA) and its YaRN RoPE.
+
+    This fork does not build attention, so these fields configure nothing it computes; the
+    class exists so that upstream config code for MLA models (DeepSeek-V3 style MoE) constructs
+    unchanged and its MLP / expert settings build here. ``multi_latent_attention`` defaults to
+    True, so constructing one reports (once) that MLA itself is not implemented.
+
+    Attributes:
+        q_lora_rank: Rank of the query's low-rank projection.
+        kv_lora_rank: Rank of the key / value low-rank projection.
+        qk_head_dim: Head dimension of the QK projection (without the positional part).
+        qk_pos_emb_head_dim: Head dimension of the positional (RoPE) part of Q and K.
+        v_head_dim: Head dimension of V.
+        rope_type: "yarn" or "rope".
+        rotary_base, rotary_percent, rotary_scaling_factor, original_max_position_embeddings,
+            beta_fast, beta_slow, mscale, mscale_all_dim: RoPE / YaRN parameters.
+        cache_mla_latents: Cache the low-rank latents instead of the full KV cache (inference).
+        mla_down_proj_fusion: Fuse the q / kv down-projections with the input norm.
+    """
+
+    multi_latent_attention: bool = True
+    q_lora_rank: int = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    normalization: str = "RMSNorm"
+    rope_type: str = "yarn"
+    rotary_base: float = 10000
+    rotary_percent: float = 1.0
+    rotary_scaling_factor: float = 40
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        # Upstream's MLA rules.
+        if self.multi_latent_attention and self.apply_rope_fusion and self.rope_type != "yarn":
+            raise ValueError("apply_rope_fusion for MLA only works with YARN RoPE.")
+        if self.attention_output_gate:
+            raise NotImplementedError("Output gate is not supported for MLA yet.")
+        if self.cache_mla_latents:
+            assert self.apply_rope_fusion is False, (
+                "Rope Fusion is not compatible with caching latents"
+            )

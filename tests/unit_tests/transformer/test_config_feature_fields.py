@@ -209,3 +209,27 @@ def test_upstream_errors_come_before_the_forks_own_refusals():
         make(pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="supports pipeline_model_parallel_size=1"):
         make(**pp2)
+
+
+def test_mla_config_constructs_with_upstream_defaults_and_rules():
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    with pytest.warns(UnimplementedFeatureWarning, match="multi_latent_attention=True"):
+        config = MLATransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4)
+    assert isinstance(config, TransformerConfig)
+    assert (config.q_lora_rank, config.kv_lora_rank, config.rope_type) == (512, 512, "yarn")
+    assert config.normalization == "RMSNorm"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnimplementedFeatureWarning)
+        with pytest.raises(ValueError, match="only works with YARN RoPE"):
+            MLATransformerConfig(
+                num_layers=1,
+                hidden_size=16,
+                num_attention_heads=4,
+                apply_rope_fusion=True,
+                rope_type="rope",
+            )
+        with pytest.raises(NotImplementedError, match="Output gate"):
+            MLATransformerConfig(
+                num_layers=1, hidden_size=16, num_attention_heads=4, attention_output_gate=True
+            )
