@@ -44,6 +44,7 @@ import pytest
 import torch
 
 import megatron.core.parallel_state as ps
+from mcore_activations.reference_mlp import reference_mlp as mlp_reference
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
 from tests.unit_tests.test_utilities import _launched_world_size, run_distributed, to_cpu
 from tests.unit_tests.tolerances import assert_close_to_reference, max_rel_error
@@ -280,14 +281,11 @@ def reference_mlp(
     """
     w1, w2 = params[f"{prefix}linear_fc1.weight"], params[f"{prefix}linear_fc2.weight"]
     b1, b2 = params.get(f"{prefix}linear_fc1.bias"), params.get(f"{prefix}linear_fc2.bias")
-    pre = x @ w1.T
-    act = spec.reference(pre, bias=b1, probs=probs)
-    out = act @ w2.T
-    if b2 is not None:
-        out = out + (b2 * probs.unsqueeze(-1) if probs is not None else b2)
+    out = mlp_reference(x, w1, w2, spec, fc1_bias=b1, fc2_bias=b2, probs=probs)
     gate_weight = params.get(f"{prefix}gate_weight")
     if gate_weight is not None:
         out = out * torch.sigmoid(x @ gate_weight.T)
+    pre = x @ w1.T
     return out, (pre + b1 if b1 is not None else pre)
 
 
