@@ -32,6 +32,10 @@ The exit code is non-zero only when the run crashes; errors above any tolerance 
 the output, not turned into failures (tests decide what to assert). A construction-time
 ``UnsupportedActivationError`` (the patch refusing a configuration it cannot compute) is recorded
 as ``build_error`` and is not a crash either.
+
+One file on purpose (about 760 lines): tests/upstream imports it by file path and runs it as a
+script with the repository root kept off ``sys.path`` (or the fork's ``megatron/`` would shadow
+the upstream megatron-core under test), so it cannot import helpers from sibling modules.
 """
 
 from __future__ import annotations
