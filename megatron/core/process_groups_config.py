@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -52,6 +53,22 @@ _MPU_GETTERS = {
 }
 
 _ProcessGroup = Optional[torch.distributed.ProcessGroup]
+
+
+class ProcessGroupHelperMeta(type):
+    """Metaclass that refuses assigning ``virtual_pipeline_model_parallel_size`` on the class.
+
+    The virtual pipeline size has a setter with side effects; a plain class attribute
+    assignment would bypass it.
+    """
+
+    def __setattr__(cls, name, value):
+        if name == "virtual_pipeline_model_parallel_size":
+            raise AttributeError(
+                f"Cannot set '{name}' directly. Use set_virtual_pipeline_model_parallel_size() "
+                "method instead."
+            )
+        super().__setattr__(name, value)
 
 
 @dataclass(init=False, repr=False, eq=False)
@@ -198,3 +215,91 @@ def resolve_gtp_remat_group(
     if pg_collection is not None and name in vars(pg_collection):
         return getattr(pg_collection, name)
     return _MPU_GETTERS[name]()
+
+
+@dataclass
+class MultiModuleProcessGroupCollection:
+    """The process groups of each module a rank runs (e.g. a vision encoder next to an LLM).
+
+    Behaves like a read-only mapping from module name to ``ProcessGroupCollection``.
+
+    Attributes:
+        module_pgs: ``{module name: ProcessGroupCollection}``; not empty.
+        language_model_module_name: The key of the language model, or None when this rank
+            runs none.
+
+    Raises:
+        ValueError: ``module_pgs`` is empty, or the language model name is not one of its keys.
+    """
+
+    module_pgs: dict[str, ProcessGroupCollection]
+    language_model_module_name: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.module_pgs:
+            raise ValueError("module_pgs dict cannot be empty")
+        name = self.language_model_module_name
+        if name is not None and name not in self.module_pgs:
+            raise ValueError(
+                f"language_model_module_name '{name}' not found in module_pgs keys: "
+                f"{list(self.module_pgs)}"
+            )
+
+    def get_language_model_collection(self) -> ProcessGroupCollection:
+        """The language model's collection.
+
+        Raises:
+            ValueError: No language model is named.
+        """
+        if self.language_model_module_name is None:
+            raise ValueError("No language model specified for this collection")
+        return self.module_pgs[self.language_model_module_name]
+
+    def get_language_model_cp_size(self) -> int:
+        """The language model's context-parallel size (ValueError without a language model)."""
+        return self.get_language_model_collection().cp.size()
+
+    def has_language_model(self) -> bool:
+        """Whether this rank runs a language model."""
+        return self.language_model_module_name is not None
+
+    def get_module_collection(self, module_name: str) -> ProcessGroupCollection:
+        """The collection of ``module_name``.
+
+        Raises:
+            ValueError: No module of that name.
+        """
+        if module_name not in self.module_pgs:
+            raise ValueError(
+                f"Module '{module_name}' not found in collections. "
+                f"Available: {list(self.module_pgs)}"
+            )
+        return self.module_pgs[module_name]
+
+    def __len__(self) -> int:
+        return len(self.module_pgs)
+
+    def __getitem__(self, module_name: str) -> ProcessGroupCollection:
+        return self.module_pgs[module_name]
+
+    def __iter__(self) -> Iterator[ProcessGroupCollection]:
+        # Iterates the collections (not the names), as upstream.
+        return iter(self.module_pgs.values())
+
+    def keys(self):
+        """The module names."""
+        return self.module_pgs.keys()
+
+    def values(self):
+        """The collections."""
+        return self.module_pgs.values()
+
+    def items(self):
+        """``(module name, collection)`` pairs."""
+        return self.module_pgs.items()
+
+    def __repr__(self) -> str:
+        modules = ", ".join(self.module_pgs)
+        lm = self.language_model_module_name
+        lm_part = f", language_model_module_name='{lm}'" if lm else ""
+        return f"MultiModuleProcessGroupCollection(modules=[{modules}]{lm_part})"

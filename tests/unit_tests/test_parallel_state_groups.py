@@ -185,3 +185,38 @@ def test_upstream_signatures_take_the_gtp_flags(single_rank):
     assert ps.get_expert_tensor_model_pipeline_parallel_group(True, True) is (
         ps.get_expert_tensor_model_pipeline_parallel_group()
     )
+
+
+def test_multi_module_collection(single_rank):
+    from megatron.core.process_groups_config import (
+        MultiModuleProcessGroupCollection,
+        ProcessGroupCollection,
+        ProcessGroupHelperMeta,
+    )
+
+    llm = ProcessGroupCollection(cp=ps.get_context_parallel_group())
+    encoder = ProcessGroupCollection()
+    both = MultiModuleProcessGroupCollection({"encoder": encoder, "llm": llm}, "llm")
+    assert both.has_language_model() and both.get_language_model_cp_size() == 1
+    assert both["encoder"] is encoder and list(both) == [encoder, llm] and len(both) == 2
+    assert list(both.keys()) == ["encoder", "llm"]
+    assert repr(both) == (
+        "MultiModuleProcessGroupCollection(modules=[encoder, llm], "
+        "language_model_module_name='llm')"
+    )
+    no_lm = MultiModuleProcessGroupCollection({"encoder": encoder})
+    with pytest.raises(ValueError, match="No language model"):
+        no_lm.get_language_model_collection()
+    with pytest.raises(ValueError, match="Module 'x' not found"):
+        no_lm.get_module_collection("x")
+    with pytest.raises(ValueError, match="cannot be empty"):
+        MultiModuleProcessGroupCollection({})
+    with pytest.raises(ValueError, match="'llm' not found"):
+        MultiModuleProcessGroupCollection({"encoder": encoder}, "llm")
+
+    class Helper(metaclass=ProcessGroupHelperMeta):
+        pass
+
+    Helper.other = 1
+    with pytest.raises(AttributeError, match="set_virtual_pipeline_model_parallel_size"):
+        Helper.virtual_pipeline_model_parallel_size = 2
