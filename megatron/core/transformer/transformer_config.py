@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import types
 import typing
@@ -30,6 +31,8 @@ from megatron.core.transformer.transformer_feature_fields import (
     TransformerFeatureFields,
     apply_transformer_feature_rules,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
