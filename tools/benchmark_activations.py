@@ -250,6 +250,10 @@ def main(argv=None):
     parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full"])
     parser.add_argument("--spec", action="append", choices=sorted(SPECS), help="only these")
     parser.add_argument("--h", type=int, action="append", help="only these widths H")
+    parser.add_argument(
+        "--dtype", action="append", choices=["bfloat16", "float16", "float32"], help="only these"
+    )
+    parser.add_argument("--no-eager", action="store_true", help="leave out the eager column")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -260,7 +264,9 @@ def main(argv=None):
     for name, spec, T, H, dtype, weighted, with_eager in configurations(args.suite):
         if (args.spec and name not in args.spec) or (args.h and H not in args.h):
             continue
-        rows.append(bench(name, spec, T, H, dtype, weighted, with_eager))
+        if args.dtype and str(dtype).replace("torch.", "") not in args.dtype:
+            continue
+        rows.append(bench(name, spec, T, H, dtype, weighted, with_eager and not args.no_eager))
         torch.cuda.empty_cache()
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
