@@ -273,6 +273,11 @@ def is_submodule(module, parent_module, strict: bool = True) -> bool:
     return any(m is module for m in parent_module.modules())
 
 
+# Wrapper classes unwrap_model strips by default. The wrappers register themselves where they
+# are defined (transformer.module adds Float16Module), so this module imports none of them.
+_MODEL_WRAPPER_CLASSES: list[type] = []
+
+
 def unwrap_model(model, module_instances=None):
     """Strips wrapper modules (each keeps the wrapped model in ``.module``).
 
@@ -285,9 +290,7 @@ def unwrap_model(model, module_instances=None):
         The unwrapped module, or a list of them for a list.
     """
     if module_instances is None:
-        from megatron.core.transformer.module import Float16Module
-
-        module_instances = (Float16Module,)
+        module_instances = tuple(_MODEL_WRAPPER_CLASSES)
     models = model if isinstance(model, list) else [model]
     unwrapped = []
     for module in models:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron.core import utils as _utils
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -163,3 +164,7 @@ class Float16Module(MegatronModule):
     def load_state_dict(self, state_dict, strict=True):
         """Loads into the wrapped module."""
         return self.module.load_state_dict(state_dict, strict=strict)
+
+
+# unwrap_model strips this wrapper by default.
+_utils._MODEL_WRAPPER_CLASSES.append(Float16Module)
