@@ -69,3 +69,18 @@ def cleanup():
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture
+def single_rank_model_parallel():
+    """A one-rank model-parallel world (tensor, pipeline, expert sizes 1) for the test's duration.
+
+    Tests that call code reading the global groups use it instead of relying on the state
+    earlier tests left behind: the default process group outlives ``destroy_model_parallel``, and
+    with it initialized, a getter without groups raises as upstream's does.
+    """
+    from tests.unit_tests.test_utilities import Utils
+
+    Utils.initialize_model_parallel(1, 1)
+    yield
+    Utils.destroy_model_parallel()

@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True)
-def seeded():
+def seeded(single_rank_model_parallel):
     model_parallel_cuda_manual_seed(123)
     yield
     get_cuda_rng_tracker().reset()

@@ -85,7 +85,7 @@ def test_linear_function_matches_a_full_linear_on_two_ranks():
     run_distributed(_worker, world_size=2, timeout_s=120)
 
 
-def test_linear_function_argument_errors():
+def test_linear_function_argument_errors(single_rank_model_parallel):
     x, w, b, _ = _full()
     with pytest.raises(ValueError, match="allreduce_dgrad and sequence_parallel are exclusive"):
         linear_with_grad_accumulation_and_async_allreduce(x, w, b, False, True, True)
