@@ -198,11 +198,8 @@ BWD_CONFIGS = [
 ]
 
 
-def bench_tiles(spec, weighted, rows, ffn, dtype):
-    """Raw Triton forward / backward time over the copy floor for each (tile, warps, max block)."""
-    from mcore_activations.fusions import triton_kernels as tk
-
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+def _raw_inputs(spec, weighted, rows, ffn, dtype):
+    """Inputs at std 4 (the clamps bite), probabilities, params and the two copy floors."""
     width = 2 * ffn if spec.gated else ffn
     x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
     grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
@@ -210,6 +207,15 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     params = ak.params_tensor(ak.spec_params(spec), x.device)
     copy_fwd = copy_ms(rows * (width + ffn) * dtype.itemsize)
     copy_bwd = copy_ms(rows * (2 * width + ffn) * dtype.itemsize)
+    return x, grad, probs, params, copy_fwd, copy_bwd
+
+
+def bench_tiles(spec, weighted, rows, ffn, dtype):
+    """Raw Triton forward / backward time over the copy floor for each (tile, warps, max block)."""
+    from mcore_activations.fusions import triton_kernels as tk
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     names = ("_FWD_TILE", "_FWD_WARPS", "_BWD_TILE", "_BWD_WARPS", "_BWD_TILE_ROW")
     names += ("_BWD_WARPS_ROW", "_MAX_BLOCK_N")
     saved = {name: getattr(tk, name) for name in names}
@@ -234,17 +240,6 @@ PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
 }
-
-
-def _raw_inputs(spec, weighted, rows, ffn, dtype):
-    width = 2 * ffn if spec.gated else ffn
-    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    probs = torch.rand(rows, 1, device="cuda") if weighted else None
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
-    copy_fwd = copy_ms(rows * (width + ffn) * dtype.itemsize)
-    copy_bwd = copy_ms(rows * (2 * width + ffn) * dtype.itemsize)
-    return x, grad, probs, params, copy_fwd, copy_bwd
 
 
 def bench_path(spec, weighted, rows, ffn, dtype):
