@@ -46,14 +46,22 @@ def fused(spec, backend, rows=67, ffn=40, dtype=torch.bfloat16, device=None, int
 
 
 def jit_callables():
-    """Upstream's ``@jit_fuser`` callables (compiled unless the fuser is disabled)."""
+    """Upstream's ``@jit_fuser`` callables, compiled in every process that runs this case.
+
+    The test tier disables ``jit_fuser`` (tests/unit_tests/conftest.py) while a fresh interpreter
+    keeps it, so the decorated names are eager in one and compiled in the other, and on CUDA the
+    two differ by an ulp. Compiling the undecorated function here makes both halves replay the
+    same compiled code.
+    """
     from mcore_activations import activations
 
     gen = torch.Generator().manual_seed(7)
     results = {}
     for name in ("squared_relu", "quick_gelu", "fast_gelu"):
+        decorated = getattr(activations, name)
+        fn = torch.compile(getattr(decorated, "_torchdynamo_orig_callable", decorated))
         x = (torch.randn(33, 24, generator=gen) * 3).to(_device()).requires_grad_()
-        out = getattr(activations, name)(x)
+        out = fn(x)
         out.backward(torch.ones_like(out))
         results[f"{name}.out"], results[f"{name}.dx"] = out.detach(), x.grad
     return results

@@ -76,10 +76,9 @@ def test_cuda_triton_replay_bitwise(spec, shape):
 def test_cuda_ops_replay_in_a_fresh_process(tmp_path):
     names = ["triton-clamped", "triton-quick", "jit-callables"]
     fresh = run_in_fresh_process(names, tmp_path)
-    # The @jit_fuser callables are compiled by Dynamo, whose code depends on what this process
-    # compiled before (a shape seen earlier makes later graphs dynamic, a spent recompile limit
-    # falls back to eager; either can move a result by an ulp). Replay means the same history:
-    # start from none, as the fresh process does (docs/determinism.md).
+    # The fresh process compiles the @jit_fuser callables with no history; this worker may have
+    # compiled them before (a second shape makes a graph dynamic, a spent recompile limit falls
+    # back to eager). Start from none here too, so both halves compile the same graphs.
     torch._dynamo.reset()
     for name in names:
         here = {key: value.cpu() for key, value in CASES[name]().items()}
