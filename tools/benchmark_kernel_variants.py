@@ -21,6 +21,10 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``path``: where the time of a whole forward+backward through ``fused_activation`` goes: the
   raw kernels next to the full autograd path, and a profiler table of every CUDA kernel the
   path launches (finds work around the kernels, e.g. copies or reductions).
+- ``flat``: the non-gated forward as one flat stream of elements per program
+  (``_unary_fwd_flat_kernel``) against the 2-D tile kernel GLUs use, for several flat block
+  sizes, with and without bias and probabilities, next to plain ``torch.compile`` of the same
+  math: the measurement behind ``triton_kernels._FLAT_UNARY``.
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -236,6 +240,50 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     return row
 
 
+FLAT_CASES = {
+    "squared-ReLU": (ActivationSpec(ActivationKind.SQUARED_RELU), False, False),
+    "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), False, True),
+    "squared-ReLU(tanh=10)": (
+        ActivationSpec(ActivationKind.SQUARED_RELU, gate_tanh_scale=10.0),
+        False,
+        False,
+    ),
+    "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False, False),
+    "GELU, bias": (ActivationSpec(ActivationKind.GELU_TANH), True, False),
+}
+FLAT_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+
+
+def bench_flat(spec, has_bias, weighted, rows, ffn, dtype):
+    """Non-gated forward: 2-D tiles, flat blocks (elements / warps) and torch.compile."""
+    from mcore_activations.fusions import triton_kernels as tk
+    from tools.benchmark_activations import compile_candidate
+
+    variant = ak.KernelVariant.of(spec, has_bias=has_bias, has_probs=weighted)
+    x, _, probs, params, copy_fwd, _ = _raw_inputs(spec, weighted, rows, ffn, dtype)
+    bias = torch.randn(ffn, device="cuda", dtype=dtype) if has_bias else None
+    saved = (tk._FLAT_UNARY, tk._FLAT_BLOCK, tk._FLAT_WARPS)
+    row = {}
+    try:
+        tk._FLAT_UNARY = False
+        tiled = tk.triton_forward(variant, x, bias, probs, params)
+        row["2-D tile"] = time_ms(lambda: tk.triton_forward(variant, x, bias, probs, params))
+        tk._FLAT_UNARY = True
+        for block, warps in FLAT_CONFIGS:
+            tk._FLAT_BLOCK, tk._FLAT_WARPS = block, warps
+            flat = tk.triton_forward(variant, x, bias, probs, params)
+            check_formulation(f"flat {block}/{warps}", flat, tiled)
+            row[f"flat {block}/{warps}"] = time_ms(
+                lambda: tk.triton_forward(variant, x, bias, probs, params)
+            )
+    finally:
+        tk._FLAT_UNARY, tk._FLAT_BLOCK, tk._FLAT_WARPS = saved
+    if not has_bias:
+        compiled = compile_candidate(spec, weighted)
+        row["torch.compile"] = time_ms(lambda: compiled(x, probs))
+    return {label: t / copy_fwd for label, t in row.items()}
+
+
 PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
@@ -364,7 +412,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = ["compile", "layout", "tiles", "path", "host", "all"]
+    experiments = ["compile", "layout", "tiles", "flat", "path", "host", "all"]
     parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -389,6 +437,12 @@ def main(argv=None):
             n: bench_tiles(s, w, args.rows, args.ffn, dtype) for n, (s, w) in TILE_CASES.items()
         }
         _print_table("Triton launch shapes: tile/warps/max column block", results["tiles"])
+    if args.experiment in ("flat", "all"):
+        results["flat"] = {
+            n: bench_flat(s, b, w, args.rows, args.ffn, dtype)
+            for n, (s, b, w) in FLAT_CASES.items()
+        }
+        _print_table("non-gated forward: 2-D tiles vs flat blocks", results["flat"])
     if args.experiment in ("path", "all"):
         results["path"] = {
             n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()

@@ -232,6 +232,38 @@ def _activation_fwd_kernel(
 
 
 @triton.jit
+def _unary_fwd_flat_kernel(
+    x_ptr,
+    bias_ptr,
+    probs_ptr,
+    params_ptr,
+    out_ptr,
+    n,
+    F,
+    KIND: tl.constexpr,
+    SOFT_CLAMP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
+    WIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A non-gated activation is elementwise over the contiguous [rows, F] input, which is the
+    # output's layout too: one flat stream of BLOCK elements per program, consecutive programs
+    # on consecutive memory, as a copy kernel runs. The column (bias) and row (probs) of an
+    # element are recovered by division only when those inputs exist.
+    start = tl.program_id(0).to(tl.int64) * BLOCK if WIDE else tl.program_id(0) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    ok = offs < n
+    h = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        h += tl.load(bias_ptr + offs % F, mask=ok, other=0.0).to(tl.float32)
+    y, _ = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP)
+    if HAS_PROBS:
+        y = y * tl.load(probs_ptr + offs // F, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _activation_bwd_kernel(
     grad_ptr,
     x_ptr,
@@ -334,6 +366,10 @@ _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
 _MAX_BLOCK_N = 1024
+# Non-gated forwards stream flat blocks of this many elements (_unary_fwd_flat_kernel) when
+# _FLAT_UNARY is set; tools/benchmark_kernel_variants.py --experiment flat compares the two.
+_FLAT_BLOCK, _FLAT_WARPS = 4096, 8
+_FLAT_UNARY = True
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
@@ -468,6 +504,7 @@ class _Launcher:
 
 
 _forward_launcher = _Launcher(_activation_fwd_kernel)
+_flat_launcher = _Launcher(_unary_fwd_flat_kernel)
 _backward_launcher = _Launcher(_activation_bwd_kernel)
 
 
@@ -478,6 +515,9 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     F = width // 2 if v.gated else width
     out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows == 0:
+        return out
+    if not v.gated and _FLAT_UNARY:
+        _flat_forward(v, x, bias, probs, params, out, rows * F, F)
         return out
     plan = _forward_plan(v, F)
     grid = (_cdiv(rows, plan[0]), _cdiv(F, plan[1]), 1)
@@ -494,6 +534,31 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     with _device_guard(x):
         _forward_launcher(grid, (x, bias, probs, params, out, rows, F), plan, key)
     return out
+
+
+@functools.cache
+def _flat_plan(v, block: int, warps: int, wide: bool) -> tuple:
+    kwargs = dict(
+        KIND=v.kind,
+        SOFT_CLAMP=v.gate_tanh,
+        HAS_BIAS=v.has_bias,
+        HAS_PROBS=v.has_probs,
+        WIDE=wide,
+        BLOCK=block,
+        num_warps=warps,
+    )
+    params = [name for name in _unary_fwd_flat_kernel.arg_names if name in kwargs]
+    return block, None, kwargs, tuple(kwargs[name] for name in params)
+
+
+def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
+    # int32 offsets unless the last block's offsets pass 2**31 (program_id * BLOCK is int32).
+    plan = _flat_plan(v, _FLAT_BLOCK, _FLAT_WARPS, n + _FLAT_BLOCK >= 2**31)
+    args = (x, bias, probs, params, out, n, F)
+    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:5]))
+    key += (_int_key(n), _int_key(F))
+    with _device_guard(x):
+        _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
 
 
 def triton_backward(

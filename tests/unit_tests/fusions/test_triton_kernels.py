@@ -507,3 +507,35 @@ def test_direct_launch_falls_back_to_triton_when_the_launcher_differs(monkeypatc
         launcher((1, 1, 1), ("x",), plan, ("key",))
         assert Kernel.calls == expected_calls
     assert tk._DIRECT_LAUNCH is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["squared_relu_tanh", "swiglu_clamp"])
+def test_cuda_offsets_past_int32(name):
+    """Inputs of more than 2**31 elements: the element offsets must be 64-bit. The first and last
+    rows of one large call must equal, bit for bit, the same rows computed in a small call (the
+    kernels are elementwise per row, so nothing but the offsets differs)."""
+    spec = SPECS[name]
+    ffn = 4096
+    width = 2 * ffn if spec.gated else ffn
+    rows = 2**31 // width + 3
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.empty(rows, width, device="cuda", dtype=torch.bfloat16)
+    x[:4].normal_(0.0, 4.0, generator=gen)
+    x[-4:].normal_(0.0, 4.0, generator=gen)
+    probs = torch.rand(rows, 1, device="cuda", generator=gen)
+    bias = torch.randn(width, device="cuda", dtype=torch.bfloat16, generator=gen)
+    with use_kernel_backend("triton"):
+        out = fused_activation(x, spec, bias=bias, probs=probs)
+        for part in (slice(0, 4), slice(rows - 4, rows)):
+            small = fused_activation(x[part].clone(), spec, bias=bias, probs=probs[part].clone())
+            torch.testing.assert_close(out[part], small, rtol=0, atol=0)
+    del out
+    with use_kernel_backend("triton"):
+        x.requires_grad_()
+        grad = torch.zeros(rows, ffn, device="cuda", dtype=torch.bfloat16)
+        grad[-4:].normal_(generator=gen)
+        fused_activation(x, spec).backward(grad)
+        tail = x[-4:].detach().clone().requires_grad_()
+        fused_activation(tail, spec).backward(grad[-4:])
+    torch.testing.assert_close(x.grad[-4:], tail.grad, rtol=0, atol=0)
