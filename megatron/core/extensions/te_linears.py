@@ -8,6 +8,7 @@ the import seam (``mcore_activations.te_import``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Optional
 
@@ -371,8 +372,21 @@ class TERowParallelLinear(TELinear):
         )
 
 
+# (TE GroupedLinear keyword, config field) of the single grouped parameter layout.
+_SINGLE_GROUPED_KEYWORDS = (
+    ("single_grouped_weight", "moe_single_grouped_weight"),
+    ("single_grouped_bias", "moe_single_grouped_bias"),
+)
+
+
 class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
     """Megatron wrapper of ``te.pytorch.GroupedLinear``: one GEMM per local expert.
+
+    The parameters come in one of TE's two layouts: one tensor per GEMM (``weight0`` ..
+    ``weight{num_gemms-1}``, ``bias0`` ..) or, with ``config.moe_single_grouped_weight`` /
+    ``moe_single_grouped_bias`` on a TE whose ``GroupedLinear`` takes ``single_grouped_weight`` /
+    ``single_grouped_bias``, a single grouped tensor (``weight``, ``bias``). ``state_dict`` saves
+    the layout the module has; ``load_state_dict`` accepts either (a load pre-hook converts).
 
     Args:
         num_gemms: Number of local experts.
@@ -390,7 +404,8 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
 
     Raises:
         ImportError: Transformer Engine is unavailable.
-        RuntimeError: Transformer Engine is older than 1.9.0.dev0.
+        RuntimeError: Transformer Engine is older than 1.9.0.dev0; or, when loading a state dict,
+            a grouped tensor cannot be split into ``num_gemms`` GEMMs.
         ValueError: ``is_expert`` is False.
     """
 
@@ -428,6 +443,13 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
             parallel_mode, tp_group, tp_size = None, None, 1
         kwargs = _te_common_kwargs(config, init_method, tp_comm_buffer_name, name)
         kwargs["rng_tracker_name"] = get_expert_parallel_rng_tracker_name()
+        # Some TE builds of the version that introduced the single grouped parameter lack the
+        # keywords, so the constructor's signature decides, not the version. Without them the
+        # per-GEMM layout is the only one TE has, whatever the config asks for (as upstream).
+        accepted = inspect.signature(super().__init__).parameters
+        for keyword, field in _SINGLE_GROUPED_KEYWORDS:
+            if keyword in accepted:
+                kwargs[keyword] = bool(getattr(config, field, False))
         super().__init__(
             num_gemms=num_gemms,
             in_features=input_size,
@@ -440,6 +462,99 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
             parallel_mode=parallel_mode,
             **kwargs,
         )
+        self.register_load_state_dict_pre_hook(type(self)._normalize_grouped_parameter_keys)
+
+    def _normalize_grouped_parameter_keys(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        """Rewrites ``state_dict``'s weight / bias keys into the layout this module holds.
+
+        A load-state-dict pre-hook: a checkpoint saved with one tensor per GEMM loads into a
+        single-grouped module (the tensors are stacked along a new leading dim), and a single
+        grouped tensor loads into a per-GEMM module (split along its leading dim). Keys already
+        in this module's layout, or an incomplete set of per-GEMM keys, are left alone, so
+        ``load_state_dict`` reports them as usual.
+
+        Args:
+            state_dict: The state dict being loaded, modified in place.
+            prefix: This module's key prefix in ``state_dict``.
+            local_metadata, strict, missing_keys, unexpected_keys, error_msgs: Unused; the
+                pre-hook signature of ``torch.nn.Module.load_state_dict``.
+
+        Raises:
+            RuntimeError: A grouped tensor cannot be split into ``num_gemms`` GEMMs.
+        """
+        del local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        self._remap_grouped_parameter(
+            state_dict, prefix, "weight", bool(getattr(self, "single_grouped_weight", False))
+        )
+        # A bias-free TE layer registers empty placeholders; a checkpoint's bias keys must then
+        # stay as they are, to surface as unexpected keys.
+        if getattr(self, "use_bias", False):
+            self._remap_grouped_parameter(
+                state_dict, prefix, "bias", bool(getattr(self, "single_grouped_bias", False))
+            )
+
+    def _remap_grouped_parameter(
+        self, state_dict, prefix: str, name: str, single_grouped: bool
+    ) -> None:
+        grouped_key = f"{prefix}{name}"
+        indexed_keys = [f"{prefix}{name}{index}" for index in range(self.num_gemms)]
+        present = [key in state_dict for key in indexed_keys]
+        if single_grouped:
+            if grouped_key in state_dict or not all(present):
+                return
+            state_dict[grouped_key] = torch.stack([state_dict.pop(key) for key in indexed_keys])
+        else:
+            if any(present) or grouped_key not in state_dict:
+                return
+            parts = self._split_grouped_checkpoint_tensor(state_dict.pop(grouped_key), grouped_key)
+            state_dict.update(zip(indexed_keys, parts))
+
+    def _split_grouped_checkpoint_tensor(self, tensor, checkpoint_key: str) -> list:
+        """Splits a checkpoint's single grouped tensor into one tensor per GEMM.
+
+        Args:
+            tensor: The grouped tensor: a TE quantized grouped tensor (split into its members),
+                or a tensor whose leading dim is ``num_gemms`` (stacked, unbound along it) or a
+                multiple of it (concatenated, chunked along it).
+            checkpoint_key: The tensor's key, named in errors.
+
+        Returns:
+            ``num_gemms`` tensors, in GEMM order.
+
+        Raises:
+            RuntimeError: The tensor does not hold ``num_gemms`` GEMMs.
+        """
+        n = self.num_gemms
+        remedy = (
+            f"The checkpoint was saved with another number of local experts per rank than this "
+            f"{type(self).__name__} has (num_gemms={n}); load it into a model with the same "
+            "num_moe_experts / expert_model_parallel_size, or convert the checkpoint first."
+        )
+        split_members = getattr(tensor, "split_into_quantized_tensors", None)
+        if callable(split_members):
+            # TE's quantized grouped tensor keeps its members; splitting its raw data would mix
+            # data and scales.
+            members = getattr(tensor, "quantized_tensors", None)
+            if members is None:
+                members = split_members()
+            if len(members) != n:
+                raise RuntimeError(
+                    f"Grouped checkpoint tensor {checkpoint_key} has {len(members)} groups, "
+                    f"expected {n}. {remedy}"
+                )
+            return list(members)
+        rows = tensor.shape[0] if tensor.ndim > 0 else 0
+        if rows == 0 or rows % n:
+            raise RuntimeError(
+                f"Cannot split checkpoint tensor {checkpoint_key} with shape "
+                f"{tuple(tensor.shape)} into {n} GEMM shards: its leading dim must be num_gemms "
+                f"({n}, stacked) or a multiple of it (concatenated). {remedy}"
+            )
+        if rows == n:
+            return list(tensor.unbind(0))
+        return list(tensor.chunk(n, dim=0))
 
     def forward(self, x: torch.Tensor, m_splits):
         """Returns ``(output, biases)``, ``biases`` None unless ``skip_bias_add`` and ``bias``."""
