@@ -34,6 +34,7 @@ from megatron.core.extensions.te_linears import (
     _rng_tracker_function,
 )
 from megatron.core.extensions.te_recipes import (
+    check_fused_recipe_runs_here,
     fused_recipe_autocast,
     fused_recipe_model_init,
     make_fused_recipe,
@@ -417,7 +418,9 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
 
     The recipe is chosen at construction by :func:`resolve_fused_recipe` (``"mxfp8"`` by
     default, as upstream; ``"none"`` runs unquantized and is what a GPU without MXFP8/NVFP4, such
-    as an H200, must use). The activation is lowered at construction to its ``Scaled*`` op.
+    as an H200, must use). Whether this machine can run it is checked at the first forward that
+    uses it, so a model can be built on a CPU or the meta device and moved to the GPU later. The
+    activation is lowered at construction to its ``Scaled*`` op.
 
     Args:
         config, submodules, is_expert, input_size, ffn_hidden_size, tp_group, name,
@@ -432,7 +435,8 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         RuntimeError: Transformer Engine is older than 2.14.
         ValueError: ``add_bias_linear`` is set; ``glu_interleave_size`` does not divide the
             per-rank FFN width.
-        TEFusedRecipeError: The chosen recipe is unknown or cannot run on this GPU.
+        TEFusedRecipeError: The chosen recipe is unknown (at construction), or cannot run on
+            this machine (at the first forward).
         UnsupportedActivationError: TE's grouped ops cannot compute the activation.
     """
 
@@ -459,8 +463,9 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
             raise ValueError(
                 f"{type(self).__name__}: glu_interleave_size applies to gated activations only."
             )
-        # Resolved before the linears are allocated, so a bad recipe fails fast. Plain attributes
-        # may be set before nn.Module.__init__; TEFusedMLP.__init__ reads them back.
+        # Resolved before the linears are allocated, so an unknown recipe fails fast; the
+        # hardware is asked in _recipe(). Plain attributes may be set before nn.Module.__init__;
+        # TEFusedMLP.__init__ reads them back.
         self.fused_recipe_name = resolve_fused_recipe(config, path=type(self).__name__)
         self.glu_interleave_size = glu_interleave_size
         super().__init__(
@@ -524,6 +529,9 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
 
     def _recipe(self):
         if self._fused_recipe is None:
+            # Once, on first use (the first forward): the GPU is only known where the model runs.
+            # A refusal leaves the cache empty, so every later forward refuses again.
+            check_fused_recipe_runs_here(self.fused_recipe_name, path=type(self).__name__)
             self._fused_recipe = (make_fused_recipe(self.fused_recipe_name),)
         return self._fused_recipe[0]
 

@@ -1,7 +1,10 @@
 """Quantization recipes of the grouped fused Transformer Engine paths: which one, and its contexts.
 
 ``TEFusedMLPWithGroupedLinear`` and ``FusedSharedExpertMLP`` run their op sequences under one
-recipe policy, :func:`resolve_fused_recipe`. TE is read from the import seam at call time.
+recipe policy, :func:`resolve_fused_recipe`, applied at construction; whether this machine can run
+the recipe (:func:`check_fused_recipe_runs_here`) is asked at their first forward, because models
+are often built on a CPU or the meta device and moved to the GPU later. TE is read from the import
+seam at call time.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -18,6 +21,7 @@ from mcore_activations import te_import
 __all__ = [
     "FUSED_RECIPES",
     "TEFusedRecipeError",
+    "check_fused_recipe_runs_here",
     "fused_recipe_autocast",
     "fused_recipe_model_init",
     "make_fused_recipe",
@@ -39,7 +43,7 @@ def resolve_fused_recipe(
     config_or_env: Any = None,
     *,
     path: str = "TE grouped fused ops",
-    check_available: bool = True,
+    check_available: bool = False,
 ) -> str:
     """Decides which quantization recipe a grouped fused path runs under.
 
@@ -52,21 +56,24 @@ def resolve_fused_recipe(
     3. else ``"mxfp8"``, upstream's default.
 
     Values: ``"mxfp8"`` (``MXFP8BlockScaling``), ``"nvfp4"`` (``NVFP4BlockScaling``), ``"none"``
-    (no quantization: the ops run in the parameters' dtype). A quantized recipe that the GPU
-    cannot run (MXFP8 and NVFP4 need SM100+; an H100/H200 has neither) is an error at
-    construction that asks for ``"none"``, never a silent switch to other math.
+    (no quantization: the ops run in the parameters' dtype). An unknown value is an error on any
+    machine. Whether the GPU can run a quantized recipe (MXFP8 and NVFP4 need SM100+; an
+    H100/H200 has neither) is a property of the machine the model runs on, not of the config:
+    the fused classes ask :func:`check_fused_recipe_runs_here` at their first forward, which
+    refuses with a message asking for ``"none"``, never a silent switch to other math.
 
     Args:
         config_or_env: A config (read for ``te_fused_recipe``), or a mapping standing for the
             environment (tests); None reads ``os.environ`` only.
         path: The class asking, named in errors.
-        check_available: Also check that this machine's TE and GPU can run the recipe.
+        check_available: Also check now that this machine's TE and GPU can run the recipe.
 
     Returns:
         One of :data:`FUSED_RECIPES`.
 
     Raises:
-        TEFusedRecipeError: Unknown value, or a recipe this machine cannot run.
+        TEFusedRecipeError: Unknown value; with ``check_available``, a recipe this machine
+            cannot run.
     """
     if isinstance(config_or_env, Mapping):
         config, environ = None, config_or_env
@@ -86,16 +93,34 @@ def resolve_fused_recipe(
             f"{path}: unknown quantization recipe {value!r} from {source}; choose one of "
             f"{', '.join(FUSED_RECIPES)}."
         )
-    if check_available and name != "none":
-        available, reason = _recipe_available(name)
-        if not available:
-            raise TEFusedRecipeError(
-                f"{path}: the {name!r} recipe (from {source}) cannot run on this machine "
-                f"({reason}). Set te_fused_recipe='none' in the config (or {_RECIPE_ENV_VAR}=none) "
-                "to run the fused ops unquantized, which computes the same math as the "
-                "unfused MLP."
-            )
+    if check_available:
+        check_fused_recipe_runs_here(name, path=path, source=source)
     return name
+
+
+def check_fused_recipe_runs_here(name: str, *, path: str, source: Optional[str] = None) -> None:
+    """Refuses a quantized recipe that this machine's Transformer Engine and GPU cannot run.
+
+    Args:
+        name: A :func:`resolve_fused_recipe` result; ``"none"`` runs anywhere.
+        path: The class asking, named in the error.
+        source: Where the recipe came from (config, environment, default), named in the error
+            when known.
+
+    Raises:
+        TEFusedRecipeError: The recipe needs hardware (or a TE build) this machine lacks.
+    """
+    if name == "none":
+        return
+    available, reason = _recipe_available(name)
+    if available:
+        return
+    origin = f" (from {source})" if source else ""
+    raise TEFusedRecipeError(
+        f"{path}: the {name!r} recipe{origin} cannot run on this machine ({reason}). Set "
+        f"te_fused_recipe='none' in the config (or {_RECIPE_ENV_VAR}=none) to run the fused ops "
+        "unquantized, which computes the same math as the unfused MLP."
+    )
 
 
 def _recipe_available(name: str) -> tuple[bool, str]:

@@ -7,7 +7,8 @@ tests run the fused classes end to end on CPU in float64 and compare them with t
 are in test_te_fused_mlp_gpu.py.
 
 Also checked: the op chain and its parameter aliasing, identical state-dict keys (weights move
-both ways), refusals at construction (never at the first forward), recipes, hooks.
+both ways), refusals of what no machine can compute at construction (never at the first
+forward), recipes (a recipe this machine's GPU cannot run is refused at the first forward), hooks.
 """
 
 from __future__ import annotations
@@ -429,10 +430,44 @@ def test_grouped_construction_checks(fake_te, unquantized, monkeypatch):
         build(GROUPED, make_config("swiglu"))
 
 
-def test_grouped_default_recipe_is_refused_without_mxfp8(fake_te):
-    # Upstream's default is MXFP8; on a GPU without it that must fail at construction.
-    with pytest.raises(te_ext.TEFusedRecipeError, match="te_fused_recipe='none'"):
-        build(GROUPED, make_config("swiglu"))
+def test_grouped_default_recipe_is_refused_at_the_first_forward_without_mxfp8(fake_te):
+    # Upstream's default is MXFP8. Not having it is a property of the machine, not of the config:
+    # the model builds (on a CPU, the meta device, any GPU) and the first forward refuses.
+    fused = build(GROUPED, make_config("swiglu"))
+    assert fused.fused_recipe_name == "mxfp8"
+    x = torch.randn(3, HIDDEN, dtype=DTYPE)
+    for _ in range(2):  # and every forward after it: a refusal is not remembered as a pass
+        with pytest.raises(te_ext.TEFusedRecipeError) as info:
+            fused(x)
+        message = str(info.value)
+        assert message.startswith("TEFusedMLPWithGroupedLinear: the 'mxfp8' recipe")
+        assert "fake: no MXFP8" in message and "te_fused_recipe='none'" in message
+    assert te_ext.te.records.model_init == [] and te_ext.te.records.autocast == []
+
+
+def test_grouped_recipe_falls_back_to_the_compute_capability(fake_te, monkeypatch):
+    # A TE without is_mxfp8_available: the GPU's compute capability decides, at the first forward.
+    del te_ext.te.pytorch.is_mxfp8_available
+    monkeypatch.setenv("FP4_RECIPE", "mxfp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = [(9, 0)]
+    probes = []
+
+    def get_device_capability(device=None):
+        probes.append(device)
+        return capability[0]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", get_device_capability)
+    fused = build(GROUPED, make_config("swiglu"))
+    assert probes == []  # construction never asks the GPU
+    x = torch.randn(3, HIDDEN, dtype=DTYPE)
+    with pytest.raises(te_ext.TEFusedRecipeError, match="compute capability 10.0.*this GPU is 9.0"):
+        fused(x)
+    capability[0] = (10, 0)  # e.g. the model moved to a B200
+    fused(x)
+    fused(x)
+    assert len(probes) == 2  # once per refusal, then once for the forward that passed
+    assert [r.kind for r in te_ext.te.records.autocast] == ["mxfp8", "mxfp8"]
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
@@ -507,11 +542,17 @@ def test_unknown_recipe_is_refused(fake_te):
 
 
 def test_unavailable_recipe_names_the_fix(fake_te):
+    config = SimpleNamespace(te_fused_recipe="nvfp4")
     with pytest.raises(te_ext.TEFusedRecipeError) as info:
-        te_ext.resolve_fused_recipe(SimpleNamespace(te_fused_recipe="nvfp4"), path="P")
+        te_ext.resolve_fused_recipe(config, path="P", check_available=True)
     message = str(info.value)
     assert "P:" in message and "fake: no NVFP4" in message and "'none'" in message
-    assert te_ext.resolve_fused_recipe({}, check_available=False) == "mxfp8"
+    assert "(from config.te_fused_recipe)" in message
+    # The hardware is asked only when asked for: the fused classes do it at the first forward.
+    assert te_ext.resolve_fused_recipe(config, path="P") == "nvfp4"
+    with pytest.raises(te_ext.TEFusedRecipeError, match="P: the 'nvfp4' recipe cannot run"):
+        te_recipes.check_fused_recipe_runs_here("nvfp4", path="P")
+    te_recipes.check_fused_recipe_runs_here("none", path="P")  # unquantized runs anywhere
 
 
 def test_make_fused_recipe(fake_te):

@@ -32,6 +32,7 @@ from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from mcore_activations.te_lowering import lower_activation_to_te_op
 from megatron.core.extensions.te_linears import TELinear, set_save_original_input
 from megatron.core.extensions.te_recipes import (
+    check_fused_recipe_runs_here,
     fused_recipe_autocast,
     fused_recipe_model_init,
     make_fused_recipe,
@@ -339,6 +340,8 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         RuntimeError: Transformer Engine is missing or older than 2.14, or the activation needs
             a newer one.
         ValueError: The configuration is unsupported (see :meth:`_validate_fused_grouped_swiglu`).
+        TEFusedRecipeError: The quantization recipe is unknown (at construction), or this
+            machine cannot run it (at the first forward).
     """
 
     def __init__(
@@ -355,7 +358,9 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         self._unit_scales: Optional[torch.Tensor] = None
         self._recipe: Optional[tuple] = None
         self._validate_fused_grouped_swiglu()
-        self._quantization_recipe()  # an unusable recipe fails at construction, not first forward
+        # An unknown recipe fails here; whether this machine can run it is asked at the first
+        # forward (_quantization_recipe), as the model may be built on a CPU or the meta device.
+        self.fused_recipe_name = resolve_fused_recipe(self.config, path=type(self).__name__)
         # The grouped fc1 op reads its weight rows block-interleaved ([g(k), u(k), ...]); the
         # parent reads [gate; linear] halves. Keep the interleaved layout in memory, convert in
         # state dicts, and make every inherited unfused step read the same layout, so weights
@@ -452,9 +457,10 @@ class FusedSharedExpertMLP(SharedExpertMLP):
     def _quantization_recipe(self):
         # One recipe policy for every TE grouped fused class (resolve_fused_recipe): the config's
         # te_fused_recipe, else FP4_RECIPE, else MXFP8; "none" runs unquantized (e.g. on SM90).
+        # Checked against the hardware once, on first use; a refusal leaves the cache empty.
         if self._recipe is None:
-            name = resolve_fused_recipe(self.config, path=type(self).__name__)
-            self._recipe = (make_fused_recipe(name),)
+            check_fused_recipe_runs_here(self.fused_recipe_name, path=type(self).__name__)
+            self._recipe = (make_fused_recipe(self.fused_recipe_name),)
         return self._recipe[0]
 
     def _recipe_context(self, kind: str):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import megatron.core.extensions.te_recipes as te_recipes
 import megatron.core.transformer.moe.shared_experts as shared_experts_module
 from mcore_activations import te_import
 from mcore_activations.reference_mlp import reference_mlp
@@ -436,8 +437,28 @@ def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, f
 
 def test_fused_shared_expert_resolves_its_recipe_at_construction(pg, fake_te, monkeypatch):
     def refuse(config, path):
-        raise TEFusedRecipeError(f"{path}: the 'mxfp8' recipe cannot run on this machine")
+        raise TEFusedRecipeError(f"{path}: unknown quantization recipe 'fp8'")
 
     monkeypatch.setattr(shared_experts_module, "resolve_fused_recipe", refuse)
-    with pytest.raises(ValueError, match="FusedSharedExpertMLP: the 'mxfp8' recipe"):
+    with pytest.raises(ValueError, match="FusedSharedExpertMLP: unknown quantization recipe"):
         FusedSharedExpertMLP(_fused_config(), submodules(), gate=False, pg_collection=pg)
+
+
+def test_fused_shared_expert_refuses_a_recipe_this_gpu_lacks_at_the_first_forward(
+    pg, fake_te, monkeypatch
+):
+    # The real recipe policy and probe: this fake TE reports no MXFP8 support, as a CPU or a
+    # pre-SM100 GPU would. The model still builds (it may be moved to an SM100 GPU later).
+    monkeypatch.setattr(
+        shared_experts_module, "resolve_fused_recipe", te_recipes.resolve_fused_recipe
+    )
+    te_import.te.pytorch.is_mxfp8_available = lambda return_reason=False: (False, "fake: no MXFP8")
+    config = _fused_config(te_fused_recipe="mxfp8")
+    layer = FusedSharedExpertMLP(config, submodules(), gate=False, pg_collection=pg)
+    assert layer.fused_recipe_name == "mxfp8"
+    with pytest.raises(TEFusedRecipeError) as info:
+        layer(torch.randn(6, 2, HIDDEN))
+    message = str(info.value)
+    assert message.startswith("FusedSharedExpertMLP: the 'mxfp8' recipe cannot run")
+    assert "fake: no MXFP8" in message and "te_fused_recipe='none'" in message
+    assert layer._fused_ops is None  # nothing was built under a recipe the GPU cannot run
