@@ -18,11 +18,22 @@ without any group, for code that must run outside a distributed job (tests, conv
 Without ``torch.distributed`` the size and rank getters report a single rank (size 1, rank 0);
 with it, they require ``initialize_model_parallel`` (or an override) first.
 
-The embedding, gloo and (single-rank) GTP groups, and upstream's helper functions, live in
-``megatron.core.parallel_state_groups`` and are re-exported here. This fork implements the MLP /
-MoE stack: hierarchical or hybrid context parallelism, GTP rematerialization across ranks and
-several distributed-optimizer instances are not built, and the options that request them are
-refused.
+The parallel-state modules, each importing only the ones after it, all re-exported here:
+
+- ``parallel_state`` (this module): ``initialize_model_parallel`` / ``destroy_model_parallel``,
+  the dense and expert group getters, the global memory buffer and upstream's module-level
+  variable names (``_MODEL_PARALLEL_GROUP``, ...);
+- ``parallel_state_groups``: the embedding, gloo and (single-rank) GTP groups, and upstream's
+  helper functions;
+- ``parallel_state_ranks``: sizes, ranks, source ranks, pipeline stages and the overrides;
+- ``parallel_state_store``: the tables of groups, ranks and overrides that the others read.
+
+``megatron.core.utils`` sits between this module (which takes ``GlobalMemoryBuffer`` from it)
+and the last two (its tensor-parallel-group fallback reads them).
+
+This fork implements the MLP / MoE stack: hierarchical or hybrid context parallelism, GTP
+rematerialization across ranks and several distributed-optimizer instances are not built, and
+the options that request them are refused.
 """
 
 from __future__ import annotations
@@ -38,42 +49,22 @@ from megatron.core.parallel_layout import (  # noqa: F401 - upstream exports bot
     RankGenerator,
     generate_masked_orthogonal_rank_groups,
 )
-from megatron.core.parallel_state_groups import GROUP_DESCRIPTIONS as _FURTHER_DESCRIPTIONS
+from megatron.core.parallel_state_groups import *  # noqa: F401, F403 - see its __all__
+from megatron.core.parallel_state_groups import build_further_groups
+from megatron.core.parallel_state_ranks import *  # noqa: F401, F403 - see its __all__
+from megatron.core.parallel_state_store import (  # noqa: F401 - is_initialized: upstream's name
+    GROUP_RANKS,
+    GROUPS,
+    LAYOUT_RANKS,
+    LEGACY_GROUP_NAMES,
+    OVERRIDES,
+    clear_groups,
+    group_of,
+    is_initialized,
+    legacy_value,
+    ranks_of,
+)
 from megatron.core.utils import GlobalMemoryBuffer
-
-# This rank's groups and their global ranks, keyed by the names below. An empty dict means "not
-# initialized". Keys:
-#   dense layout:  tp, cp, dp, dp-cp, pp, mp (tp-pp), tp-cp, tp-dp, tp-dp-cp
-#   expert layout: ep, expt-tp, expt-dp, tp-ep (expert tp x ep), tp-ep-pp
-#   further groups (parallel_state_groups): embd, pos-embd, dp-gloo, dp-cp-gloo, expt-dp-gloo,
-#   gtp, expt-gtp
-_GROUPS: dict[str, torch.distributed.ProcessGroup] = {}
-_GROUP_RANKS: dict[str, list[int]] = {}
-# Every group of each layout key (not only this rank's), for groups built from the same ranks.
-_LAYOUT_RANKS: dict[str, list[list[int]]] = {}
-
-# Values set through set_*(); they win over the groups. Keys: "tp", "pp", "dp", "ep", "expt-tp",
-# "vpp", each with "_size" or "_rank".
-_OVERRIDES: dict[str, Optional[int]] = {}
-
-_GROUP_DESCRIPTIONS = {
-    "tp": "tensor model parallel",
-    "cp": "context parallel",
-    "dp": "data parallel",
-    "dp-cp": "data parallel (with context parallel)",
-    "pp": "pipeline model parallel",
-    "mp": "model parallel",
-    "tp-cp": "tensor and context parallel",
-    "tp-dp": "tensor and data parallel",
-    "tp-dp-cp": "tensor, data and context parallel",
-    "ep": "expert model parallel",
-    "expt-tp": "expert tensor parallel",
-    "expt-dp": "expert data parallel",
-    "tp-ep": "expert tensor and model parallel",
-    "tp-ep-pp": "expert tensor, model and pipeline parallel",
-    **_FURTHER_DESCRIPTIONS,
-}
-
 
 # --------------------------------------------------------------------------------------- layout
 
@@ -237,23 +228,21 @@ def initialize_model_parallel(
         )
 
     # Re-initializing replaces the previous groups; overrides set by hand stay as they are.
-    _GROUPS.clear()
-    _GROUP_RANKS.clear()
-    _LAYOUT_RANKS.clear()
+    clear_groups()
     timeout = timedelta(minutes=distributed_timeout_minutes)
     backend = torch.distributed.get_backend()
 
     def build(key: str, generator: RankGenerator, token: str, group_backend=None) -> None:
         # new_group is collective over the whole world: every rank creates every group, in the
         # same order, and keeps the one it belongs to.
-        _LAYOUT_RANKS[key] = generator.get_ranks(token)
-        for ranks in _LAYOUT_RANKS[key]:
+        LAYOUT_RANKS[key] = generator.get_ranks(token)
+        for ranks in LAYOUT_RANKS[key]:
             group = torch.distributed.new_group(
                 ranks, timeout=timeout, backend=group_backend or backend
             )
             if rank in ranks:
-                _GROUPS[key] = group
-                _GROUP_RANKS[key] = ranks
+                GROUPS[key] = group
+                GROUP_RANKS[key] = ranks
 
     build("dp", dense, "dp")
     build("dp-cp", dense, "dp-cp")
@@ -278,21 +267,16 @@ def initialize_model_parallel(
     )
 
     if virtual_pipeline_model_parallel_size is not None:
-        _OVERRIDES["vpp_rank"] = 0
-        _OVERRIDES["vpp_size"] = virtual_pipeline_model_parallel_size
+        OVERRIDES["vpp_rank"] = 0
+        OVERRIDES["vpp_size"] = virtual_pipeline_model_parallel_size
 
     global _GLOBAL_MEMORY_BUFFER
     _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
 
 
-def is_initialized() -> bool:
-    """Whether ``initialize_model_parallel`` has run (the data-parallel group exists)."""
-    return "dp" in _GROUPS
-
-
 def model_parallel_is_initialized() -> bool:
     """Whether the tensor, pipeline and data-parallel groups exist."""
-    return all(key in _GROUPS for key in ("tp", "pp", "dp"))
+    return all(key in GROUPS for key in ("tp", "pp", "dp"))
 
 
 def destroy_model_parallel() -> None:
@@ -301,49 +285,27 @@ def destroy_model_parallel() -> None:
     The process groups themselves are not destroyed (that is collective on NCCL and would need
     every rank); the default group stays up for the next ``initialize_model_parallel``.
     """
-    _GROUPS.clear()
-    _GROUP_RANKS.clear()
-    _LAYOUT_RANKS.clear()
-    _OVERRIDES.clear()
+    clear_groups()
+    OVERRIDES.clear()
     destroy_global_memory_buffer()
 
 
 # ------------------------------------------------------------------------------------ groups
 
 
-def _group(key: str, check_initialized: bool = True):
-    group = _GROUPS.get(key)
-    if group is None and check_initialized:
-        raise AssertionError(
-            f"{_GROUP_DESCRIPTIONS[key]} group is not initialized; call "
-            "parallel_state.initialize_model_parallel() first."
-        )
-    return group
-
-
-def _ranks(key: str, check_initialized: bool = True) -> Optional[list[int]]:
-    ranks = _GROUP_RANKS.get(key)
-    if ranks is None and check_initialized:
-        raise AssertionError(
-            f"{_GROUP_DESCRIPTIONS[key]} group is not initialized; call "
-            "parallel_state.initialize_model_parallel() first."
-        )
-    return ranks
-
-
 def get_model_parallel_group(check_initialized: bool = True):
     """Returns the model-parallel (tensor x pipeline) group of this rank."""
-    return _group("mp", check_initialized)
+    return group_of("mp", check_initialized)
 
 
 def get_tensor_model_parallel_group(check_initialized: bool = True):
     """Returns the tensor-model-parallel group of this rank."""
-    return _group("tp", check_initialized)
+    return group_of("tp", check_initialized)
 
 
 def get_pipeline_model_parallel_group(check_initialized: bool = True):
     """Returns the pipeline-model-parallel group of this rank."""
-    return _group("pp", check_initialized)
+    return group_of("pp", check_initialized)
 
 
 def get_data_parallel_group(
@@ -360,29 +322,29 @@ def get_data_parallel_group(
         partial_data_parallel: The group of one distributed-optimizer instance; with the single
             instance this fork supports, that is the whole data-parallel group.
     """
-    return _group("dp-cp" if with_context_parallel else "dp")
+    return group_of("dp-cp" if with_context_parallel else "dp")
 
 
 def get_context_parallel_group(check_initialized: bool = True):
     """Returns the context-parallel group of this rank."""
-    return _group("cp", check_initialized)
+    return group_of("cp", check_initialized)
 
 
 def get_context_parallel_global_ranks(check_initialized: bool = True) -> Optional[list[int]]:
     """Returns the global ranks of this rank's context-parallel group."""
-    return _ranks("cp", check_initialized)
+    return ranks_of("cp", check_initialized)
 
 
 def get_tensor_and_context_parallel_group(check_initialized: bool = True):
     """Returns the tensor x context-parallel group of this rank."""
-    return _group("tp-cp", check_initialized)
+    return group_of("tp-cp", check_initialized)
 
 
 def get_tensor_and_data_parallel_group(
     check_initialized: bool = True, with_context_parallel: bool = False
 ):
     """Returns the tensor x data (x context, if asked) parallel group of this rank."""
-    return _group("tp-dp-cp" if with_context_parallel else "tp-dp", check_initialized)
+    return group_of("tp-dp-cp" if with_context_parallel else "tp-dp", check_initialized)
 
 
 def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_red: bool = False):
@@ -393,23 +355,23 @@ def get_amax_reduction_group(with_context_parallel: bool = False, tp_only_amax_r
     or over the tensor-parallel ranks alone with ``tp_only_amax_red``.
     """
     if tp_only_amax_red:
-        return _group("tp-cp" if with_context_parallel else "tp")
-    return _group("tp-dp-cp" if with_context_parallel else "tp-dp")
+        return group_of("tp-cp" if with_context_parallel else "tp")
+    return group_of("tp-dp-cp" if with_context_parallel else "tp-dp")
 
 
 def get_expert_model_parallel_group(check_initialized: bool = True):
     """Returns the expert-model-parallel group (ranks holding different experts)."""
-    return _group("ep", check_initialized)
+    return group_of("ep", check_initialized)
 
 
 def get_expert_tensor_parallel_group(check_initialized: bool = True):
     """Returns the expert-tensor-parallel group (ranks splitting one expert's weights)."""
-    return _group("expt-tp", check_initialized)
+    return group_of("expt-tp", check_initialized)
 
 
 def get_expert_tensor_and_model_parallel_group(check_initialized: bool = True):
     """Returns the expert-tensor x expert-model-parallel group."""
-    return _group("tp-ep", check_initialized)
+    return group_of("tp-ep", check_initialized)
 
 
 def get_expert_tensor_model_pipeline_parallel_group(
@@ -420,7 +382,7 @@ def get_expert_tensor_model_pipeline_parallel_group(
     ``with_egtp_remat`` (merge the expert GTP peers in) gives the same group here: expert GTP
     is off, one rank per group.
     """
-    return _group("tp-ep-pp", check_initialized)
+    return group_of("tp-ep-pp", check_initialized)
 
 
 def get_expert_data_parallel_group(
@@ -433,236 +395,10 @@ def get_expert_data_parallel_group(
     ``partial_expert_data_parallel`` is the whole group here (one optimizer instance), and
     ``with_gtp_remat`` changes nothing (expert GTP is off).
     """
-    return _group("expt-dp", check_initialized)
+    return group_of("expt-dp", check_initialized)
 
 
-# ------------------------------------------------------------------------ sizes and ranks
-
-
-def _size(key: str, override: str) -> int:
-    value = _OVERRIDES.get(override + "_size")
-    if value is not None:
-        return value
-    if not torch.distributed.is_initialized():
-        return 1
-    return torch.distributed.get_world_size(group=_group(key))
-
-
-def _rank(key: str, override: str) -> int:
-    value = _OVERRIDES.get(override + "_rank")
-    if value is not None:
-        return value
-    if not torch.distributed.is_initialized():
-        return 0
-    return torch.distributed.get_rank(group=_group(key))
-
-
-def get_tensor_model_parallel_world_size() -> int:
-    """Returns the tensor-parallel size (the override, if set)."""
-    return _size("tp", "tp")
-
-
-def get_tensor_model_parallel_rank() -> int:
-    """Returns this rank's index in its tensor-parallel group (the override, if set)."""
-    return _rank("tp", "tp")
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    """Returns the number of pipeline stages (the override, if set)."""
-    return _size("pp", "pp")
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    """Returns this rank's pipeline stage (the override, if set)."""
-    return _rank("pp", "pp")
-
-
-def get_data_parallel_world_size(
-    with_context_parallel: bool = False,
-    with_gtp_remat: bool = True,
-    partial_data_parallel: bool = False,
-) -> int:
-    """Returns the data-parallel size (the override, if set)."""
-    return _size("dp-cp" if with_context_parallel else "dp", "dp")
-
-
-def get_data_parallel_rank(
-    with_context_parallel: bool = False,
-    with_gtp_remat: bool = True,
-    partial_data_parallel: bool = False,
-) -> int:
-    """Returns this rank's index in its data-parallel group (the override, if set)."""
-    return _rank("dp-cp" if with_context_parallel else "dp", "dp")
-
-
-def get_context_parallel_world_size() -> int:
-    """Returns the context-parallel size."""
-    return _size("cp", "cp")
-
-
-def get_context_parallel_rank() -> int:
-    """Returns this rank's index in its context-parallel group."""
-    return _rank("cp", "cp")
-
-
-def get_tensor_and_context_parallel_world_size() -> int:
-    """Returns the tensor x context-parallel size."""
-    return _size("tp-cp", "tp-cp")
-
-
-def get_tensor_and_context_parallel_rank() -> int:
-    """Returns this rank's index in its tensor x context-parallel group."""
-    return _rank("tp-cp", "tp-cp")
-
-
-def get_expert_model_parallel_world_size() -> int:
-    """Returns the expert-model-parallel size (the override, if set)."""
-    return _size("ep", "ep")
-
-
-def get_expert_model_parallel_rank() -> int:
-    """Returns this rank's index in its expert-model-parallel group (the override, if set)."""
-    return _rank("ep", "ep")
-
-
-def get_expert_tensor_parallel_world_size() -> int:
-    """Returns the expert-tensor-parallel size (the override, if set)."""
-    return _size("expt-tp", "expt-tp")
-
-
-def get_expert_tensor_parallel_rank() -> int:
-    """Returns this rank's index in its expert-tensor-parallel group (the override, if set)."""
-    return _rank("expt-tp", "expt-tp")
-
-
-def get_expert_tensor_and_model_parallel_world_size() -> int:
-    """Returns the expert-tensor x expert-model-parallel size."""
-    return _size("tp-ep", "tp-ep")
-
-
-def get_expert_tensor_and_model_parallel_rank() -> int:
-    """Returns this rank's index in its expert-tensor x expert-model-parallel group."""
-    return _rank("tp-ep", "tp-ep")
-
-
-def get_expert_data_parallel_world_size(
-    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
-) -> int:
-    """Returns the expert-data-parallel size."""
-    return _size("expt-dp", "expt-dp")
-
-
-def get_expert_data_parallel_rank(
-    with_gtp_remat: bool = True, partial_expert_data_parallel: bool = False
-) -> int:
-    """Returns this rank's index in its expert-data-parallel group."""
-    return _rank("expt-dp", "expt-dp")
-
-
-def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
-    """Returns the number of virtual pipeline chunks per stage, or None without interleaving."""
-    return _OVERRIDES.get("vpp_size")
-
-
-def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
-    """Returns the current virtual pipeline chunk, or None without interleaving."""
-    return _OVERRIDES.get("vpp_rank")
-
-
-# ------------------------------------------------------------------------- source ranks
-
-
-def get_tensor_model_parallel_src_rank() -> int:
-    """Returns the global rank of the first rank of this rank's tensor-parallel group."""
-    return _ranks("tp")[0]
-
-
-def get_data_parallel_src_rank(with_context_parallel: bool = False) -> int:
-    """Returns the global rank of the first rank of this rank's data-parallel group."""
-    return _ranks("dp-cp" if with_context_parallel else "dp")[0]
-
-
-def get_pipeline_model_parallel_first_rank() -> int:
-    """Returns the global rank of the first stage of this rank's pipeline."""
-    return _ranks("pp")[0]
-
-
-def get_pipeline_model_parallel_last_rank() -> int:
-    """Returns the global rank of the last stage of this rank's pipeline."""
-    return _ranks("pp")[-1]
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    """Returns the global rank of the next stage (wrapping around)."""
-    ranks = _ranks("pp")
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    """Returns the global rank of the previous stage (wrapping around)."""
-    ranks = _ranks("pp")
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
-
-
-def _virtual_stage(vp_stage: Optional[int]) -> Optional[int]:
-    if get_virtual_pipeline_model_parallel_world_size() is None:
-        return None
-    return vp_stage if vp_stage is not None else get_virtual_pipeline_model_parallel_rank()
-
-
-def is_pipeline_first_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
-    """Whether this rank runs the first pipeline stage (and, unless ``ignore_virtual``, the
-    first virtual chunk: ``vp_stage``, or the current virtual rank)."""
-    if not ignore_virtual and _virtual_stage(vp_stage) not in (None, 0):
-        return False
-    return get_pipeline_model_parallel_rank() == 0
-
-
-def is_pipeline_last_stage(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
-    """Whether this rank runs the last pipeline stage (and, unless ``ignore_virtual``, the last
-    virtual chunk: ``vp_stage``, or the current virtual rank)."""
-    if not ignore_virtual:
-        stage = _virtual_stage(vp_stage)
-        if stage is not None and stage != get_virtual_pipeline_model_parallel_world_size() - 1:
-            return False
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-# ------------------------------------------------------------------------------ overrides
-
-
-def _size_setter(key: str, what: str) -> Callable[[Optional[int]], None]:
-    def setter(world_size: Optional[int]) -> None:
-        _OVERRIDES[key] = world_size
-
-    setter.__doc__ = f"Overrides the {what} size reported by the getters (None removes it)."
-    return setter
-
-
-def _rank_setter(key: str, what: str) -> Callable[[Optional[int]], None]:
-    def setter(rank: Optional[int]) -> None:
-        _OVERRIDES[key] = rank
-
-    setter.__doc__ = f"Overrides the {what} rank reported by the getters (None removes it)."
-    return setter
-
-
-# Each setter only fixes a value in _OVERRIDES; made by the two factories above because they
-# differ in the key alone.
-set_tensor_model_parallel_world_size = _size_setter("tp_size", "tensor-parallel")
-set_tensor_model_parallel_rank = _rank_setter("tp_rank", "tensor-parallel")
-set_pipeline_model_parallel_world_size = _size_setter("pp_size", "pipeline-parallel")
-set_pipeline_model_parallel_rank = _rank_setter("pp_rank", "pipeline-parallel")
-set_data_parallel_rank = _rank_setter("dp_rank", "data-parallel")
-set_expert_model_parallel_world_size = _size_setter("ep_size", "expert-model-parallel")
-set_expert_model_parallel_rank = _rank_setter("ep_rank", "expert-model-parallel")
-set_expert_tensor_parallel_world_size = _size_setter("expt-tp_size", "expert-tensor-parallel")
-set_expert_tensor_parallel_rank = _rank_setter("expt-tp_rank", "expert-tensor-parallel")
-set_virtual_pipeline_model_parallel_world_size = _size_setter("vpp_size", "virtual pipeline")
-set_virtual_pipeline_model_parallel_rank = _rank_setter("vpp_rank", "virtual pipeline")
-
-
-# ----------------------------------------------------------------------------- more getters
+# ---------------------------------------------------------------------------- scratch memory
 _GLOBAL_MEMORY_BUFFER: Optional[GlobalMemoryBuffer] = None
 
 
@@ -686,20 +422,9 @@ def destroy_global_memory_buffer() -> None:
 
 
 # Upstream's module-level group variables, for code that reads them directly (e.g. tests that
-# check ``parallel_state._MODEL_PARALLEL_GROUP is None`` after a reset). Read-only views of the
-# tables above; None when the group does not exist.
+# check ``parallel_state._MODEL_PARALLEL_GROUP is None`` after a reset). Answered from the tables
+# at each read, so they follow initialize / destroy; None when the group does not exist.
 def __getattr__(name: str):
-    legacy = LEGACY_GROUP_NAMES.get(name)
-    if legacy is None:
+    if name not in LEGACY_GROUP_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    table = _GROUPS if legacy[0] == "group" else _GROUP_RANKS
-    return table.get(legacy[1])
-
-
-# The further groups and helpers (see megatron.core.parallel_state_groups), under this module's
-# name as upstream has them. Imported last: that module reads this one's tables lazily.
-from megatron.core.parallel_state_groups import *  # noqa: E402, F401, F403 - see its __all__
-from megatron.core.parallel_state_groups import (  # noqa: E402
-    LEGACY_GROUP_NAMES,
-    build_further_groups,
-)
+    return legacy_value(name)

@@ -2,7 +2,9 @@
 
 ``megatron.core.parallel_state`` re-exports every public name here, so callers use them from
 there as upstream's code does. Kept in its own module so that neither file grows past a
-readable size; the groups live in ``parallel_state``'s ``_GROUPS`` / ``_GROUP_RANKS`` tables.
+readable size. The groups live in the tables of ``parallel_state_store``; this module reads them
+and the ranks of ``parallel_state_ranks``, and never imports ``parallel_state`` (which calls
+:func:`build_further_groups` from ``initialize_model_parallel``).
 
 What this fork builds, as upstream does:
 
@@ -27,6 +29,25 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
+
+from megatron.core.parallel_state_ranks import (
+    get_context_parallel_rank,
+    get_data_parallel_rank,
+    get_data_parallel_world_size,
+    get_expert_model_parallel_rank,
+    get_pipeline_model_parallel_rank,
+    get_tensor_model_parallel_rank,
+    is_pipeline_first_stage,
+    is_pipeline_last_stage,
+)
+from megatron.core.parallel_state_store import (
+    GROUP_RANKS,
+    GROUPS,
+    LAYOUT_RANKS,
+    group_of,
+    is_initialized,
+    ranks_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,26 +85,8 @@ __all__ = [
     "update_pg_timeout",
 ]
 
-GROUP_DESCRIPTIONS = {
-    "embd": "embedding",
-    "pos-embd": "position embedding",
-    "dp-gloo": "data parallel (gloo)",
-    "dp-cp-gloo": "data parallel with context parallel (gloo)",
-    "expt-dp-gloo": "expert data parallel (gloo)",
-    "gtp": "GTP weight rematerialisation",
-    "expt-gtp": "expert GTP weight rematerialisation",
-}
-"""Descriptions (for "not initialized" errors) of the group keys this module adds."""
-
 # Every group created through create_group on this rank, for update_pg_timeout(pg=None).
 _CREATED_GROUPS: list = []
-
-
-def _ps():
-    # parallel_state imports this module at its end, so the reverse import is done lazily.
-    from megatron.core import parallel_state
-
-    return parallel_state
 
 
 # --------------------------------------------------------------------------- group helpers
@@ -143,7 +146,7 @@ def update_pg_timeout(timeout: timedelta, pg=None) -> None:
     if pg is not None:
         set_timeout(timeout, pg)
         return
-    groups = [None, *_ps()._GROUPS.values(), *_CREATED_GROUPS]
+    groups = [None, *GROUPS.values(), *_CREATED_GROUPS]
     seen = set()
     for group in groups:
         if id(group) in seen:
@@ -309,8 +312,7 @@ def create_all_gather_groups(
     Raises:
         RuntimeError: ``initialize_model_parallel`` has not run.
     """
-    ps = _ps()
-    if not ps.is_initialized():
+    if not is_initialized():
         raise RuntimeError(
             "create_all_gather_groups() requires parallel state to be initialized. "
             "Call initialize_model_parallel() first."
@@ -321,7 +323,7 @@ def create_all_gather_groups(
     def rebuild(key: str, cfg_name: str):
         # Every rank must create every group in the same order: walk all groups of the layout.
         mine = None
-        for members in ps._LAYOUT_RANKS[key]:
+        for members in LAYOUT_RANKS[key]:
             group = create_group(
                 members,
                 timeout=timeout,
@@ -348,16 +350,15 @@ def build_further_groups(
     get_position_embedding_ranks: Optional[Callable[[list[int]], list[int]]],
 ) -> None:
     """Creates the embedding, gloo and GTP groups (called by ``initialize_model_parallel``)."""
-    ps = _ps()
     embedding_ranks = get_embedding_ranks or default_embedding_ranks
     position_ranks = get_position_embedding_ranks or default_position_embedding_ranks
 
     def keep(key: str, members: list[int], group) -> None:
         if rank in members:
-            ps._GROUPS[key] = group
-            ps._GROUP_RANKS[key] = members
+            GROUPS[key] = group
+            GROUP_RANKS[key] = members
 
-    for pp_ranks in ps._LAYOUT_RANKS["pp"]:
+    for pp_ranks in LAYOUT_RANKS["pp"]:
         for key, choose, name in (
             ("embd", embedding_ranks, "EMBEDDING_GROUP"),
             ("pos-embd", position_ranks, "POSITION_EMBEDDING_GROUP"),
@@ -371,7 +372,7 @@ def build_further_groups(
             ("dp-cp-gloo", "dp-cp"),
             ("expt-dp-gloo", "expt-dp"),
         ):
-            for members in ps._LAYOUT_RANKS[source]:
+            for members in LAYOUT_RANKS[source]:
                 group = create_group(
                     members, timeout=timeout, backend="gloo", group_desc=key.upper()
                 )
@@ -391,12 +392,12 @@ def build_further_groups(
 
 def get_embedding_group(check_initialized: bool = True):
     """The group of ranks that share the word embeddings (first and last pipeline stage)."""
-    return _ps()._group("embd", check_initialized)
+    return group_of("embd", check_initialized)
 
 
 def get_position_embedding_group(check_initialized: bool = True):
     """The group of ranks that hold the position embeddings (first pipeline stage)."""
-    return _ps()._group("pos-embd", check_initialized)
+    return group_of("pos-embd", check_initialized)
 
 
 def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[int] = None) -> bool:
@@ -405,23 +406,22 @@ def is_rank_in_embedding_group(ignore_virtual: bool = True, vp_stage: Optional[i
     With ``ignore_virtual=False`` a rank at both ends of the pipeline counts only for the
     virtual stage that holds the embedding (the first or last).
     """
-    ps = _ps()
-    ranks = ps._GROUP_RANKS.get("embd")
+    ranks = GROUP_RANKS.get("embd")
     rank = torch.distributed.get_rank()
     if ranks is None or rank not in ranks:
         return False
     if ignore_virtual:
         return True
     if rank == ranks[0]:
-        return ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        return is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if rank == ranks[-1]:
-        return ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        return is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return True
 
 
 def is_rank_in_position_embedding_group() -> bool:
     """Whether this rank holds the position embeddings."""
-    ranks = _ps()._GROUP_RANKS.get("pos-embd")
+    ranks = GROUP_RANKS.get("pos-embd")
     return ranks is not None and torch.distributed.get_rank() in ranks
 
 
@@ -441,33 +441,33 @@ def get_data_parallel_group_gloo(
     """
     if not with_context_parallel:
         assert not partial_data_parallel, "Partial DP for Optimizer needs to include CP"
-    return _ps()._group("dp-cp-gloo" if with_context_parallel else "dp-gloo")
+    return group_of("dp-cp-gloo" if with_context_parallel else "dp-gloo")
 
 
 def get_expert_data_parallel_group_gloo(partial_expert_data_parallel: bool = False):
     """The gloo copy of the expert-data-parallel group (one optimizer instance: the whole one)."""
     del partial_expert_data_parallel
-    return _ps()._group("expt-dp-gloo")
+    return group_of("expt-dp-gloo")
 
 
 def _world_size_of(key: str) -> int:
     # Upstream reports 0 outside a distributed job or before the groups exist.
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return 0
-    group = _ps()._GROUPS.get(key)
+    group = GROUPS.get(key)
     return group.size() if group is not None else 0
 
 
 def _rank_in(key: str) -> int:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return 0
-    group = _ps()._GROUPS.get(key)
+    group = GROUPS.get(key)
     return group.rank() if group is not None else 0
 
 
 def get_gtp_weight_remat_group(check_initialized: bool = True):
     """This rank's GTP weight-rematerialisation group (a single rank: GTP is not supported)."""
-    return _ps()._group("gtp", check_initialized)
+    return group_of("gtp", check_initialized)
 
 
 def get_gtp_weight_remat_world_size() -> int:
@@ -482,12 +482,12 @@ def get_gtp_weight_remat_rank() -> int:
 
 def get_gtp_weight_remat_global_ranks(check_initialized: bool = True) -> Optional[list[int]]:
     """Global ranks of this rank's GTP group (``[rank]``)."""
-    return _ps()._ranks("gtp", check_initialized)
+    return ranks_of("gtp", check_initialized)
 
 
 def get_expert_gtp_weight_remat_group(check_initialized: bool = True):
     """This rank's expert GTP weight-rematerialisation group (a single rank)."""
-    return _ps()._group("expt-gtp", check_initialized)
+    return group_of("expt-gtp", check_initialized)
 
 
 def get_expert_gtp_weight_remat_world_size() -> int:
@@ -504,7 +504,7 @@ def get_expert_gtp_weight_remat_global_ranks(
     check_initialized: bool = True,
 ) -> Optional[list[int]]:
     """Global ranks of this rank's expert GTP group (``[rank]``)."""
-    return _ps()._ranks("expt-gtp", check_initialized)
+    return ranks_of("expt-gtp", check_initialized)
 
 
 def get_hierarchical_context_parallel_groups(check_initialized: bool = True):
@@ -530,9 +530,8 @@ def get_hybrid_data_context_parallel_groups(
     Raises:
         AssertionError: ``group_size`` asks for a smaller hybrid group.
     """
-    ps = _ps()
-    if ps.get_data_parallel_world_size(with_context_parallel=True) == group_size:
-        return ps._group("dp-cp", check_initialized)
+    if get_data_parallel_world_size(with_context_parallel=True) == group_size:
+        return group_of("dp-cp", check_initialized)
     assert not check_initialized, (
         f"hybrid data x context-parallel groups of size {group_size} are not initialized: this "
         "fork refuses hybrid_context_parallel."
@@ -555,67 +554,29 @@ def get_inter_distributed_optimizer_instance_group(check_initialized: bool = Tru
 
 def get_model_parallel_src_rank() -> int:
     """The global rank of the first rank of this rank's model-parallel (tensor x pipeline) group."""
-    return _ps()._ranks("mp")[0]
+    return ranks_of("mp")[0]
 
 
 def get_expert_model_parallel_src_rank() -> int:
     """The global rank of the first rank of this rank's expert-model-parallel group."""
-    return _ps()._ranks("ep")[0]
+    return ranks_of("ep")[0]
 
 
 def get_intra_distributed_optimizer_instance_group(check_initialized: bool = True):
     """The ranks of one distributed-optimizer instance: here the data x context-parallel group,
     since this fork builds a single instance."""
-    return _ps()._group("dp-cp", check_initialized)
+    return group_of("dp-cp", check_initialized)
 
 
 def get_all_ranks() -> str:
     """This rank's index in its tensor, weight-rematerialization (always 0 here), data, context,
     pipeline and expert-model-parallel groups, joined by ``_`` (e.g. ``"1_0_0_0_0_1"``)."""
-    ps = _ps()
     ranks = [
-        ps.get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_rank(),
         get_gtp_weight_remat_rank(),
-        ps.get_data_parallel_rank(),
-        ps.get_context_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_expert_model_parallel_rank(),
+        get_data_parallel_rank(),
+        get_context_parallel_rank(),
+        get_pipeline_model_parallel_rank(),
+        get_expert_model_parallel_rank(),
     ]
     return "_".join(str(rank or 0) for rank in ranks)
-
-
-# Upstream's module-level group variables of parallel_state, mapped to (table, group key):
-# parallel_state.__getattr__ answers reads of them from its tables.
-LEGACY_GROUP_NAMES = {
-    "_TENSOR_MODEL_PARALLEL_GROUP": ("group", "tp"),
-    "_PIPELINE_MODEL_PARALLEL_GROUP": ("group", "pp"),
-    "_MODEL_PARALLEL_GROUP": ("group", "mp"),
-    "_DATA_PARALLEL_GROUP": ("group", "dp"),
-    "_DATA_PARALLEL_GROUP_WITH_CP": ("group", "dp-cp"),
-    "_DATA_PARALLEL_GROUP_GLOO": ("group", "dp-gloo"),
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO": ("group", "dp-cp-gloo"),
-    "_CONTEXT_PARALLEL_GROUP": ("group", "cp"),
-    "_TENSOR_AND_CONTEXT_PARALLEL_GROUP": ("group", "tp-cp"),
-    "_TENSOR_AND_DATA_PARALLEL_GROUP": ("group", "tp-dp"),
-    "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP": ("group", "tp-dp-cp"),
-    "_EMBEDDING_GROUP": ("group", "embd"),
-    "_POSITION_EMBEDDING_GROUP": ("group", "pos-embd"),
-    "_EXPERT_MODEL_PARALLEL_GROUP": ("group", "ep"),
-    "_EXPERT_TENSOR_PARALLEL_GROUP": ("group", "expt-tp"),
-    "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP": ("group", "tp-ep"),
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP": ("group", "tp-ep-pp"),
-    "_EXPERT_DATA_PARALLEL_GROUP": ("group", "expt-dp"),
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO": ("group", "expt-dp-gloo"),
-    "_GTP_WEIGHT_REMAT_GROUP": ("group", "gtp"),
-    "_EXPERT_GTP_WEIGHT_REMAT_GROUP": ("group", "expt-gtp"),
-    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": ("ranks", "tp"),
-    "_PIPELINE_GLOBAL_RANKS": ("ranks", "pp"),
-    "_MODEL_PARALLEL_GLOBAL_RANKS": ("ranks", "mp"),
-    "_DATA_PARALLEL_GLOBAL_RANKS": ("ranks", "dp"),
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": ("ranks", "dp-cp"),
-    "_CONTEXT_PARALLEL_GLOBAL_RANKS": ("ranks", "cp"),
-    "_EMBEDDING_GLOBAL_RANKS": ("ranks", "embd"),
-    "_POSITION_EMBEDDING_GLOBAL_RANKS": ("ranks", "pos-embd"),
-    "_GTP_WEIGHT_REMAT_GLOBAL_RANKS": ("ranks", "gtp"),
-    "_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS": ("ranks", "expt-gtp"),
-}

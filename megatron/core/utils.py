@@ -19,6 +19,14 @@ from mcore_activations.versions import (  # noqa: F401 - upstream names
     is_te_min_version,
     is_torch_min_version,
 )
+from megatron.core.parallel_state_ranks import (
+    get_data_parallel_rank,
+    get_tensor_model_parallel_rank,
+)
+from megatron.core.parallel_state_store import group_of
+
+# parallel_state imports this module (GlobalMemoryBuffer), so the parallel-state lookups here come
+# from the two modules below it, which read the same tables: no import cycle, same answers.
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -62,8 +70,6 @@ def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, chec
     if tp_group is not None:
         return tp_group
 
-    from megatron.core import parallel_state
-
     if torch.distributed.get_rank() == 0:
         warnings.warn(
             "No tensor-parallel group was passed; using the global one from parallel_state. "
@@ -71,9 +77,8 @@ def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, chec
             DeprecationWarning,
             stacklevel=2,
         )
-    if is_expert:
-        return parallel_state.get_expert_tensor_parallel_group(check_initialized=check_initialized)
-    return parallel_state.get_tensor_model_parallel_group(check_initialized=check_initialized)
+    # The same lookup as parallel_state.get_(expert_)tensor_(model_)parallel_group.
+    return group_of("expt-tp" if is_expert else "tp", check_initialized)
 
 
 # ----------------------------------------------------------------------------- initialisation
@@ -381,10 +386,8 @@ def log_on_each_pipeline_stage(
     if not logger.isEnabledFor(level):
         return
     if tp_group is None:
-        from megatron.core import parallel_state
-
-        first = parallel_state.get_tensor_model_parallel_rank() == 0 and (
-            parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        first = get_tensor_model_parallel_rank() == 0 and (
+            get_data_parallel_rank(with_context_parallel=True) == 0
         )
     else:
         first = tp_group.rank() == 0 and dp_cp_group.rank() == 0

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from megatron.core import config, utils
+from megatron.core import parallel_state as ps
 from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.test_utilities import Utils
 
 
 def test_arithmetic_helpers():
@@ -131,3 +133,36 @@ def test_log_on_each_pipeline_stage_refuses_half_the_groups(monkeypatch):
         utils.log_on_each_pipeline_stage(
             logging.getLogger("t"), logging.INFO, "m", tp_group=object()
         )
+
+
+def test_parallel_state_fallbacks_follow_initialize_and_destroy():
+    # utils reads the parallel-state tables without importing parallel_state (which imports
+    # utils): its answers must still be parallel_state's, before and after a reset.
+    Utils.initialize_model_parallel(1, 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            tp = utils.get_tensor_model_parallel_group_if_none(None)
+            expert_tp = utils.get_tensor_model_parallel_group_if_none(None, is_expert=True)
+        assert tp is ps.get_tensor_model_parallel_group()
+        assert expert_tp is ps.get_expert_tensor_parallel_group()
+        explicit = object()
+        assert utils.get_tensor_model_parallel_group_if_none(explicit) is explicit
+        records = []
+        logger = logging.getLogger("test_parallel_state_fallbacks")
+        logger.setLevel(logging.INFO)
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger.addHandler(handler)
+        try:
+            utils.log_on_each_pipeline_stage(logger, logging.INFO, "stage")
+        finally:
+            logger.removeHandler(handler)
+        assert [r.getMessage() for r in records] == ["stage"]
+    finally:
+        Utils.destroy_model_parallel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert utils.get_tensor_model_parallel_group_if_none(None, check_initialized=False) is None
+        with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
+            utils.get_tensor_model_parallel_group_if_none(None)

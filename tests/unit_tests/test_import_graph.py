@@ -1,4 +1,4 @@
-"""The project's modules import one another without a cycle, and the activation ladder points down.
+"""The project's modules import one another without a cycle, and the ladders point down.
 
 The graph is drawn from the source with ``ast`` (nothing is imported): every ``import`` and
 ``from ... import`` of a module of ``megatron/`` or ``mcore_activations/``, at any depth of the
@@ -15,22 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatron", "mcore_activations")
-
-# Groups of modules allowed to import one another in a cycle, each with its reason. A cycle must
-# lie inside one group; the test also fails when a group holds no cycle any more, so the entry is
-# removed with the cycle.
-ALLOWED_CYCLE_GROUPS = {
-    # utils' tensor-parallel-group fallback and the group helpers read parallel_state at call
-    # time, and parallel_state builds its global memory buffer from utils.GlobalMemoryBuffer, as
-    # upstream's modules do.
-    frozenset(
-        {
-            "megatron.core.parallel_state",
-            "megatron.core.parallel_state_groups",
-            "megatron.core.utils",
-        }
-    ),
-}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -133,14 +117,12 @@ GRAPH = import_graph(module_files())
 
 
 def test_no_import_cycle():
-    found = cycles(GRAPH)
-    unexpected = [sorted(c) for c in found if not any(c <= group for group in ALLOWED_CYCLE_GROUPS)]
-    assert not unexpected, f"import cycles among the project's modules: {unexpected}"
-    stale = [sorted(group) for group in ALLOWED_CYCLE_GROUPS if not any(c <= group for c in found)]
-    assert not stale, f"ALLOWED_CYCLE_GROUPS lists groups that hold no cycle any more: {stale}"
+    found = [sorted(c) for c in cycles(GRAPH)]
+    assert not found, f"import cycles among the project's modules: {found}"
 
 
-# The activation ladder (docs/activations.md): each rung imports only the project modules listed.
+# The activation ladder (docs/activations.md) and the parallel-state one (parallel_state.py's
+# docstring): each rung imports only the project modules listed.
 LADDER = {
     "mcore_activations.fusions.kernel_params": set(),
     "mcore_activations.te_import": set(),
@@ -155,6 +137,13 @@ LADDER = {
         "megatron.core.utils",
         "megatron.core.extensions.te_rng",
         "mcore_activations.te_import",
+    },
+    "megatron.core.parallel_layout": set(),
+    "megatron.core.parallel_state_store": set(),
+    "megatron.core.parallel_state_ranks": {"megatron.core.parallel_state_store"},
+    "megatron.core.parallel_state_groups": {
+        "megatron.core.parallel_state_ranks",
+        "megatron.core.parallel_state_store",
     },
 }
 
