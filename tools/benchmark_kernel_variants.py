@@ -21,10 +21,11 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``path``: where the time of a whole forward+backward through ``fused_activation`` goes: the
   raw kernels next to the full autograd path, and a profiler table of every CUDA kernel the
   path launches (finds work around the kernels, e.g. copies or reductions).
-- ``flat``: the non-gated forward as one flat stream of elements per program
-  (``_unary_fwd_flat_kernel``) against the 2-D tile kernel GLUs use, for several flat block
-  sizes, with and without bias and probabilities, next to plain ``torch.compile`` of the same
-  math: the measurement behind ``triton_kernels._FLAT_UNARY``.
+- ``flat``: the non-gated kernels as one flat stream of elements per program
+  (``_unary_fwd_flat_kernel``, and ``_unary_bwd_flat_kernel`` where no reduction is needed)
+  against the 2-D tile kernels GLUs use, for several flat block sizes, with and without bias and
+  probabilities, next to plain ``torch.compile`` of the same forward math: the measurement
+  behind ``triton_kernels._FLAT_UNARY``.
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -251,37 +252,55 @@ FLAT_CASES = {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False, False),
     "GELU, bias": (ActivationSpec(ActivationKind.GELU_TANH), True, False),
 }
-FLAT_CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+FLAT_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8), (8192, 16)]
 
 
 def bench_flat(spec, has_bias, weighted, rows, ffn, dtype):
-    """Non-gated forward: 2-D tiles, flat blocks (elements / warps) and torch.compile."""
+    """Non-gated kernels: 2-D tiles, flat blocks (elements / warps) and torch.compile.
+
+    The backward columns appear for the calls the flat backward serves (no bias, no probs)."""
     from mcore_activations.fusions import triton_kernels as tk
     from tools.benchmark_activations import compile_candidate
 
     variant = ak.KernelVariant.of(spec, has_bias=has_bias, has_probs=weighted)
-    x, _, probs, params, copy_fwd, _ = _raw_inputs(spec, weighted, rows, ffn, dtype)
+    x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     bias = torch.randn(ffn, device="cuda", dtype=dtype) if has_bias else None
-    saved = (tk._FLAT_UNARY, tk._FLAT_BLOCK, tk._FLAT_WARPS)
-    row = {}
+    with_backward = not has_bias and not weighted
+
+    def forward():
+        return tk.triton_forward(variant, x, bias, probs, params)
+
+    def backward():
+        return tk.triton_backward(variant, grad, x, None, None, params)[0]
+
+    names = ("_FLAT_UNARY", "_FLAT_BLOCK", "_FLAT_WARPS")
+    names += ("_FLAT_BLOCK_SOFT_CLAMP", "_FLAT_WARPS_SOFT_CLAMP")
+    saved = {name: getattr(tk, name) for name in names}
+    fwd, bwd = {}, {}
     try:
         tk._FLAT_UNARY = False
-        tiled = tk.triton_forward(variant, x, bias, probs, params)
-        row["2-D tile"] = time_ms(lambda: tk.triton_forward(variant, x, bias, probs, params))
+        tiled, tiled_dx = forward(), backward() if with_backward else None
+        fwd["2-D tile"] = time_ms(forward)
+        if with_backward:
+            bwd["bwd 2-D tile"] = time_ms(backward)
         tk._FLAT_UNARY = True
         for block, warps in FLAT_CONFIGS:
             tk._FLAT_BLOCK, tk._FLAT_WARPS = block, warps
-            flat = tk.triton_forward(variant, x, bias, probs, params)
-            check_formulation(f"flat {block}/{warps}", flat, tiled)
-            row[f"flat {block}/{warps}"] = time_ms(
-                lambda: tk.triton_forward(variant, x, bias, probs, params)
-            )
+            tk._FLAT_BLOCK_SOFT_CLAMP, tk._FLAT_WARPS_SOFT_CLAMP = block, warps
+            check_formulation(f"flat {block}/{warps}", forward(), tiled)
+            fwd[f"flat {block}/{warps}"] = time_ms(forward)
+            if with_backward:
+                check_formulation(f"flat backward {block}/{warps}", backward(), tiled_dx)
+                bwd[f"bwd flat {block}/{warps}"] = time_ms(backward)
     finally:
-        tk._FLAT_UNARY, tk._FLAT_BLOCK, tk._FLAT_WARPS = saved
+        for name, value in saved.items():
+            setattr(tk, name, value)
     if not has_bias:
         compiled = compile_candidate(spec, weighted)
-        row["torch.compile"] = time_ms(lambda: compiled(x, probs))
-    return {label: t / copy_fwd for label, t in row.items()}
+        fwd["torch.compile"] = time_ms(lambda: compiled(x, probs))
+    return {label: t / copy_fwd for label, t in fwd.items()} | {
+        label: t / copy_bwd for label, t in bwd.items()
+    }
 
 
 PATH_CASES = TILE_CASES | {
@@ -400,11 +419,12 @@ def bench_host():
 
 def _print_table(title, rows):
     print(f"\n{title} (time / copy of the same bytes)")
-    columns = list(next(iter(rows.values())))
+    columns = list(dict.fromkeys(c for row in rows.values() for c in row))  # a row may lack some
     print("| activation | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, row in rows.items():
-        print(f"| {name} | " + " | ".join(f"{row[c]:.2f}" for c in columns) + " |")
+        cells = (f"{row[c]:.2f}" if c in row else "-" for c in columns)
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None):
