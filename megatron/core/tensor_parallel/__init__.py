@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel.random import (
     get_data_parallel_rng_tracker_name,
     get_expert_parallel_rng_tracker_name,
     initialize_rng_tracker,
+    is_graph_safe_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
 )
 from megatron.core.tensor_parallel.utils import (
@@ -85,6 +86,7 @@ __all__ = [
     "get_data_parallel_rng_tracker_name",
     "get_expert_parallel_rng_tracker_name",
     "initialize_rng_tracker",
+    "is_graph_safe_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
     # utils
     "VocabUtility",

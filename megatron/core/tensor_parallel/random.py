@@ -18,6 +18,11 @@ machine without CUDA it manages the CPU default generator instead (``torch.get_r
 ``torch.set_rng_state``), and ``model_parallel_cuda_manual_seed`` seeds the CPU generator. Code
 written for GPUs (``with get_cuda_rng_tracker().fork(): dropout(...)``) therefore runs, with the
 same stream semantics, on CPU-only machines.
+
+The second half of the module is activation checkpointing (``checkpoint``,
+``CheckpointWithoutOutput`` and ``CheckpointWithoutOutputManager``): recomputation must replay the
+forward's random streams, so it lives next to them (and the module is longer than most). Its
+generator-free autograd mechanics are in ``checkpoint_autograd``.
 """
 
 from __future__ import annotations
@@ -31,10 +36,26 @@ import torch
 from mcore_activations import te_import
 from megatron.core import parallel_state
 from megatron.core.extensions.te_rng import TECudaRNGStatesTracker
+from megatron.core.tensor_parallel.checkpoint_autograd import (
+    CheckpointWithoutOutputFunction,
+    backward_through,
+    detached_inputs,
+    free_storage,
+    input_grads,
+    load_args_from_ctx,
+    refill_storage,
+    save_args_to_ctx,
+    saved_args,
+    tensor_outputs,
+)
 
 _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 _DATA_PARALLEL_RNG_TRACKER_NAME = "data-parallel-rng"
 _EXPERT_PARALLEL_RNG_TRACKER_NAME = "expert-parallel-rng"
+# Upstream's GTP weight-rematerialization streams. This fork runs without GTP, so they are never
+# registered; the names exist for code that asks for them.
+_GTP_REMAT_RNG_TRACKER_NAME = "gtp-remat-rng"
+_EXPERT_GTP_REMAT_RNG_TRACKER_NAME = "egtp-remat-rng"
 
 
 # ------------------------------------------------------------------ device generator access
@@ -209,6 +230,52 @@ def get_expert_parallel_rng_tracker_name() -> str:
     return _EXPERT_PARALLEL_RNG_TRACKER_NAME
 
 
+def get_gtp_remat_rng_tracker_name(is_expert: bool = False) -> str:
+    """Returns the name of the GTP weight-rematerialization stream (the expert one if asked).
+
+    Upstream registers these streams only while GTP rematerialization is active, which this fork
+    never runs, so forking one raises "cuda rng state ... is not added".
+    """
+    return _EXPERT_GTP_REMAT_RNG_TRACKER_NAME if is_expert else _GTP_REMAT_RNG_TRACKER_NAME
+
+
+def get_all_rng_states() -> dict:
+    """Returns the name -> state mapping the global tracker holds.
+
+    For this module's tracker it is the tracker's own dictionary (not a copy), as upstream's CUDA
+    graph code expects; for Transformer Engine's tracker, TE's registry of every state; for any
+    other tracker, an empty dict.
+
+    Raises:
+        AssertionError: No tracker exists yet (call ``model_parallel_cuda_manual_seed`` or
+            ``get_cuda_rng_tracker`` first), upstream's error type.
+    """
+    tracker = _CUDA_RNG_STATE_TRACKER
+    if tracker is None:
+        raise AssertionError(
+            "get_all_rng_states: the RNG tracker has not been initialized; call "
+            "model_parallel_cuda_manual_seed(seed) (or get_cuda_rng_tracker()) first."
+        )
+    if isinstance(tracker, CudaRNGStatesTracker):
+        return tracker.states_
+    if isinstance(tracker, TECudaRNGStatesTracker):
+        # TE keeps the states of all its trackers in one module-level registry.
+        return te_import.te.pytorch.distributed.get_all_rng_states()
+    return {}
+
+
+def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker) -> bool:
+    """Whether ``cuda_rng_tracker`` keeps graph-safe generator states (CUDA-graph capturable).
+
+    True for Transformer Engine's tracker and for any tracker built with
+    ``use_cudagraphable_rng=True``; this module's tracker refuses that option, so it is never
+    graph-safe.
+    """
+    if isinstance(cuda_rng_tracker, TECudaRNGStatesTracker):
+        return True
+    return bool(getattr(cuda_rng_tracker, "use_cudagraphable_rng", False))
+
+
 def model_parallel_cuda_manual_seed(
     seed: int,
     te_rng_tracker: bool = False,
@@ -328,41 +395,35 @@ def _replayed_rng(states: tuple) -> Iterator[None]:
         _restore_rng(current)
 
 
-def _detached_inputs(inputs) -> tuple:
-    detached = []
-    for value in inputs:
-        if isinstance(value, torch.Tensor):
-            leaf = value.detach()
-            leaf.requires_grad_(value.requires_grad)
-            detached.append(leaf)
-        else:
-            detached.append(value)
-    return tuple(detached)
+# True while a ``checkpoint``ed block runs, in its forward and in its recomputation (upstream's
+# name). Code that must not act twice, or must act differently without a graph, reads it.
+IS_CHECKPOINTING = False
 
 
-def _save_inputs(ctx, args) -> None:
-    """Saves the tensor arguments for backward and keeps the others as they are."""
-    ctx.tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    ctx.other_args = [None if isinstance(a, torch.Tensor) else a for a in args]
-    ctx.save_for_backward(*(args[i] for i in ctx.tensor_positions))
+def is_checkpointing() -> bool:
+    """Whether a block run by :func:`checkpoint` is executing (its forward or recomputation)."""
+    return IS_CHECKPOINTING
 
 
-def _saved_inputs(ctx) -> list:
-    args = list(ctx.other_args)
-    for position, tensor in zip(ctx.tensor_positions, ctx.saved_tensors):
-        args[position] = tensor
-    return args
+@contextlib.contextmanager
+def _checkpointing() -> Iterator[None]:
+    # Restores the previous value rather than clearing it, so a checkpoint nested in another
+    # leaves the outer one still reported; and an exception in the block clears it too.
+    global IS_CHECKPOINTING
+    previous = IS_CHECKPOINTING
+    IS_CHECKPOINTING = True
+    try:
+        yield
+    finally:
+        IS_CHECKPOINTING = previous
 
 
-def _backward_through(outputs, grads) -> None:
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    pairs = [
-        (out, grad)
-        for out, grad in zip(outputs, grads)
-        if isinstance(out, torch.Tensor) and out.requires_grad
-    ]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+def _require_checkpoint_valid() -> None:
+    if not torch.autograd._is_checkpoint_valid():
+        raise RuntimeError(
+            "checkpointed blocks support .backward() only, not torch.autograd.grad(); use "
+            ".backward() or run the block without checkpointing."
+        )
 
 
 class CheckpointFunction(torch.autograd.Function):
@@ -370,7 +431,7 @@ class CheckpointFunction(torch.autograd.Function):
 
     Only the inputs are saved. With ``distribute_saved_activations`` the first input is kept as
     this rank's 1/tp share (it is identical on every tensor-parallel rank) and gathered back in
-    backward.
+    backward. :func:`is_checkpointing` is True while ``run_function`` runs, both times.
     """
 
     @staticmethod
@@ -379,7 +440,7 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.distribute_saved_activations = distribute_saved_activations
         ctx.rng_states = _capture_rng()
-        with torch.no_grad():
+        with _checkpointing(), torch.no_grad():
             outputs = run_function(*args)
         if distribute_saved_activations:
             from megatron.core.tensor_parallel.utils import split_tensor_into_1d_equal_chunks
@@ -389,18 +450,14 @@ class CheckpointFunction(torch.autograd.Function):
             safely_set_viewless_tensor_data(
                 args[0], split_tensor_into_1d_equal_chunks(args[0].data, new_buffer=True)
             )
-        _save_inputs(ctx, args)
+        save_args_to_ctx(ctx, args)
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         """Recomputes the forward with the saved random state and backpropagates through it."""
-        if not torch.autograd._is_checkpoint_valid():
-            raise RuntimeError(
-                "checkpointed blocks support .backward() only, not torch.autograd.grad(); use "
-                ".backward() or run the block without checkpointing."
-            )
-        args = _saved_inputs(ctx)
+        _require_checkpoint_valid()
+        args = saved_args(ctx)
         if ctx.distribute_saved_activations:
             from megatron.core.tensor_parallel.utils import gather_split_1d_tensor
             from megatron.core.utils import safely_set_viewless_tensor_data
@@ -408,39 +465,16 @@ class CheckpointFunction(torch.autograd.Function):
             safely_set_viewless_tensor_data(
                 args[0], gather_split_1d_tensor(args[0].data).view(ctx.first_input_shape)
             )
-        inputs = _detached_inputs(args)
-        with _replayed_rng(ctx.rng_states), torch.enable_grad():
+        inputs = detached_inputs(args)
+        with _checkpointing(), _replayed_rng(ctx.rng_states), torch.enable_grad():
             outputs = ctx.run_function(*inputs)
-        _backward_through(outputs, grads)
-        input_grads = tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
-        return (None, None) + input_grads
+        backward_through(outputs, grads)
+        return (None, None) + input_grads(inputs)
 
 
 def checkpoint(function, distribute_saved_activations: bool, *args):
     """``function(*args)`` with activation checkpointing (see :class:`CheckpointFunction`)."""
     return CheckpointFunction.apply(function, distribute_saved_activations, *args)
-
-
-class _CheckpointWithoutOutputFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run_function, owner, *args):
-        with torch.no_grad():
-            outputs = run_function(*args)
-        _save_inputs(ctx, _detached_inputs(args))
-        owner.ctx = ctx
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        if ctx.recomputed is None:
-            raise RuntimeError(
-                "CheckpointWithoutOutput: backward reached the checkpointed block before its "
-                "recomputation; call discard_output_and_register_recompute(t) with a tensor t "
-                "whose gradient is computed before the block's outputs are needed."
-            )
-        inputs, outputs = ctx.recomputed
-        _backward_through(outputs, grads)
-        return (None, None) + tuple(i.grad if isinstance(i, torch.Tensor) else None for i in inputs)
 
 
 class CheckpointWithoutOutput:
@@ -451,70 +485,145 @@ class CheckpointWithoutOutput:
     the gradient of ``t`` is computed, recomputes the block (with the forward's random state)
     into the same tensors, so the consumers' saved references see the data again.
 
+    With a ``ckpt_manager`` the checkpoint registers itself with the manager, which frees and
+    recomputes all its checkpoints at once
+    (:meth:`CheckpointWithoutOutputManager.discard_all_outputs_and_register_unified_recompute`);
+    ``discard_output_and_register_recompute`` then does nothing.
+
     Args:
         fp8: Accepted for upstream's signature; this fork runs no FP8 recompute context.
-        ckpt_manager: Upstream's shared manager of several checkpoints; not supported (None).
+        ckpt_manager: The :class:`CheckpointWithoutOutputManager` that recomputes this block
+            together with others, or None.
         retain_input_tensors: Keep an output that shares storage with an input instead of
-            freeing it.
+            freeing it (freeing it would destroy the input the recomputation reads).
     """
 
     def __init__(self, fp8=False, ckpt_manager=None, retain_input_tensors: bool = False):
-        if ckpt_manager is not None:
-            raise ValueError(
-                "CheckpointWithoutOutput(ckpt_manager=...) is not supported by this fork; use one "
-                "CheckpointWithoutOutput per block (ckpt_manager=None)."
+        if ckpt_manager is not None and not isinstance(
+            ckpt_manager, CheckpointWithoutOutputManager
+        ):
+            raise TypeError(
+                f"CheckpointWithoutOutput(ckpt_manager=...) expects a "
+                f"CheckpointWithoutOutputManager or None, got {type(ckpt_manager).__name__}."
             )
         self.fp8 = fp8
+        self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
         self.run_function = None
         self.rng_states = None
         self.ctx = None
         self.outputs = None
+        self._freed = []
 
     def checkpoint(self, run_function, *args):
-        """Runs ``run_function(*args)``, keeping only what recomputation needs."""
+        """Runs ``run_function(*args)``, keeping only what recomputation needs.
+
+        Returns:
+            ``run_function``'s outputs; with a manager, the checkpoint is registered with it.
+        """
         self.run_function = run_function
         self.rng_states = _capture_rng()
-        outputs = _CheckpointWithoutOutputFunction.apply(run_function, self, *args)
-        self.ctx.recomputed = None
+        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         self.outputs = outputs
+        if self.ckpt_manager is not None:
+            self.ckpt_manager.add_checkpoint(self)
         return outputs
 
-    def _outputs(self) -> tuple:
-        outs = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
-        return tuple(o for o in outs if isinstance(o, torch.Tensor))
+    def _discard_outputs(self) -> None:
+        """Frees the outputs' storage (except outputs aliasing an input, if asked to keep them)."""
+        keep = set()
+        if self.retain_input_tensors:
+            keep = {t.untyped_storage().data_ptr() for t in self.ctx.saved_tensors}
+        self._freed = free_storage(tensor_outputs(self.outputs), keep)
 
     def discard_output_and_register_recompute(self, hook_tensor: torch.Tensor) -> None:
-        """Frees the outputs' storage; recomputes them when ``hook_tensor``'s gradient is ready."""
-        input_storages = {t.untyped_storage().data_ptr() for t in self.ctx.saved_tensors}
-        # (only tensors are saved; the other arguments never share an output's storage)
-        self._freed = []
-        for out in self._outputs():
-            storage = out.untyped_storage()
-            if self.retain_input_tensors and storage.data_ptr() in input_storages:
-                continue
-            self._freed.append((out, storage.nbytes()))
-            storage.resize_(0)
+        """Frees the outputs' storage; recomputes them when ``hook_tensor``'s gradient is ready.
+
+        Does nothing when a manager owns this checkpoint: the manager frees and recomputes.
+        """
+        if self.ckpt_manager is not None:
+            return
+        self._discard_outputs()
         if hook_tensor.requires_grad:
             hook_tensor.register_hook(self._recompute)
 
     def _recompute(self, _grad) -> None:
-        inputs = _detached_inputs(_saved_inputs(self.ctx))
+        """Recomputes the block into its freed outputs (a gradient hook; runs once)."""
+        if self.ctx is None:
+            return
+        _require_checkpoint_valid()
+        inputs = load_args_from_ctx(self.ctx)
         with _replayed_rng(self.rng_states), torch.enable_grad():
             recomputed = self.run_function(*inputs)
-        recomputed_list = recomputed if isinstance(recomputed, tuple) else (recomputed,)
-        fresh = [r for r in recomputed_list if isinstance(r, torch.Tensor)]
-        nbytes = {id(out): size for out, size in self._freed}
-        with torch.no_grad():
-            for out, new in zip(self._outputs(), fresh):
-                if id(out) not in nbytes:
-                    continue
-                out.untyped_storage().resize_(nbytes[id(out)])
-                # Write through a separate tensor on the same storage: an in-place copy into
-                # ``out`` would bump its version, and every consumer that saved it for backward
-                # would then refuse to run.
-                alias = torch.empty(0, dtype=out.dtype, device=out.device)
-                alias.set_(out.untyped_storage(), out.storage_offset(), out.size(), out.stride())
-                alias.copy_(new)
-        self.ctx.recomputed = (inputs, recomputed)
-        self.outputs = None
+        freed_ids = {id(out) for out, _ in self._freed}
+        fresh = [
+            new
+            for out, new in zip(tensor_outputs(self.outputs), tensor_outputs(recomputed))
+            if id(out) in freed_ids
+        ]
+        refill_storage(self._freed, fresh)
+        self.ctx.inputs, self.ctx.outputs = inputs, recomputed
+        # Drop every reference the recomputation no longer needs: the autograd node holds the
+        # recomputed graph until its backward, and nothing here may keep it alive after that.
+        self.ctx = self.outputs = self.run_function = self.rng_states = None
+        self._freed = []
+
+
+class CheckpointWithoutOutputManager:
+    """Frees and recomputes several :class:`CheckpointWithoutOutput` blocks together.
+
+    Useful when the blocks form a chain (one block's output is the next one's input): one hook
+    recomputes all of them, in forward order, before backward reaches the first.
+
+    Usage::
+
+        manager = CheckpointWithoutOutputManager()
+        y = CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(block_a, x)
+        z = CheckpointWithoutOutput(ckpt_manager=manager).checkpoint(block_b, y)
+        out = consumer(z)
+        manager.discard_all_outputs_and_register_unified_recompute(out)
+
+    Attributes:
+        checkpoints: The registered checkpoints, in forward order.
+        is_last_layer_in_recompute_block: Set by upstream's transformer block before each layer's
+            forward: the last layer of a recompute block keeps its output uncheckpointed.
+    """
+
+    def __init__(self):
+        self.checkpoints = []
+        self.is_last_layer_in_recompute_block = False
+
+    def add_checkpoint(self, ckpt: CheckpointWithoutOutput) -> None:
+        """Registers ``ckpt``, which must have run its ``checkpoint``.
+
+        Raises:
+            TypeError: ``ckpt`` is not a ``CheckpointWithoutOutput``.
+            ValueError: ``ckpt.checkpoint(...)`` has not run yet.
+        """
+        if not isinstance(ckpt, CheckpointWithoutOutput):
+            raise TypeError(
+                f"CheckpointWithoutOutputManager.add_checkpoint expects a CheckpointWithoutOutput, "
+                f"got {type(ckpt).__name__}."
+            )
+        if ckpt.outputs is None:
+            raise ValueError(
+                "CheckpointWithoutOutputManager.add_checkpoint: call ckpt.checkpoint(fn, *args) "
+                "before adding the checkpoint (it has no outputs yet)."
+            )
+        self.checkpoints.append(ckpt)
+
+    def discard_all_outputs_and_register_unified_recompute(self, hook_tensor: torch.Tensor) -> None:
+        """Frees every registered output; recomputes them all when ``hook_tensor``'s grad is ready.
+
+        ``hook_tensor`` must be computed from the last block's output, so that its gradient
+        arrives before backward needs any of the freed tensors.
+        """
+        for ckpt in self.checkpoints:
+            ckpt._discard_outputs()
+        if hook_tensor.requires_grad:
+            hook_tensor.register_hook(self._unified_recompute_hook)
+
+    def _unified_recompute_hook(self, _grad) -> None:
+        # Forward order: each block's recomputation reads the refilled output of the one before.
+        for ckpt in self.checkpoints:
+            ckpt._recompute(None)

@@ -28,6 +28,14 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
 )
 from mcore_activations.activation_spec import ActivationSpec
 from mcore_activations.te_import import have_te
+from megatron.core.transformer.mlp_interfaces import (  # noqa: F401 - upstream's import path
+    LinearFc1Builder,
+    LinearFc1Interface,
+    LinearFc2Builder,
+    LinearFc2Interface,
+    TEActivationFunctionBuilder,
+    TEActivationFunctionInterface,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -37,6 +45,8 @@ from megatron.core.utils import get_tensor_model_parallel_group_if_none
 @dataclass
 class MLPSubmodules:
     """The classes (or ModuleSpecs) an :class:`MLP` builds its parts from.
+
+    The builders' contracts are the Protocols of ``mlp_interfaces``.
 
     Attributes:
         linear_fc1: Column-parallel linear, called as ``linear_fc1(input_size, output_size, *,
@@ -49,9 +59,9 @@ class MLPSubmodules:
             ``activation_func(config=config)``; used only with ``use_te_activation_func``.
     """
 
-    linear_fc1: Union[ModuleSpec, type, None] = None
-    linear_fc2: Union[ModuleSpec, type, None] = None
-    activation_func: Union[ModuleSpec, type, None] = None
+    linear_fc1: Union[ModuleSpec, LinearFc1Builder, None] = None
+    linear_fc2: Union[ModuleSpec, LinearFc2Builder, None] = None
+    activation_func: Union[ModuleSpec, TEActivationFunctionBuilder, None] = None
 
 
 def te_activation_factory(submodules, config) -> Optional[Callable[[], torch.nn.Module]]:

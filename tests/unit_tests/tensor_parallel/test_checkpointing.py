@@ -125,8 +125,8 @@ def test_checkpoint_without_output_restores_data_a_consumer_saved():
     torch.testing.assert_close(x.grad, expected)
 
 
-def test_checkpoint_without_output_refuses_a_manager():
-    with pytest.raises(ValueError, match="ckpt_manager"):
+def test_checkpoint_without_output_refuses_what_is_not_a_manager():
+    with pytest.raises(TypeError, match="ckpt_manager=.*CheckpointWithoutOutputManager or None"):
         CheckpointWithoutOutput(ckpt_manager=object())
 
 
