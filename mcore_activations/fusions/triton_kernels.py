@@ -393,10 +393,11 @@ _MAX_BLOCK_N = 1024
 # stream flat blocks (_unary_fwd_flat_kernel, _unary_bwd_flat_kernel) when _FLAT_UNARY is set;
 # the 2-D tile stays for the comparison (tools/benchmark_kernel_variants.py --experiment flat; H200,
 # bf16: squared ReLU 1.08x the copy floor as 2-D tiles, 1.02x flat at 2048 elements / 4 warps,
-# torch.compile 1.03x). The tanh soft clamp is bound by arithmetic, not memory, and gains from
-# more elements per program (1.18x at 2048 / 4, 1.10x at 8192 / 8).
+# torch.compile 1.03x; GELU backward 1.17x as tiles, 0.98x flat). The tanh soft clamp is bound
+# by arithmetic, not memory, and gains from more elements per thread (forward 1.18x at 2048 / 4,
+# 1.09x at 4096 / 4; backward 1.03x and 1.01x).
 _FLAT_BLOCK, _FLAT_WARPS = 2048, 4
-_FLAT_BLOCK_SOFT_CLAMP, _FLAT_WARPS_SOFT_CLAMP = 8192, 8
+_FLAT_BLOCK_SOFT_CLAMP, _FLAT_WARPS_SOFT_CLAMP = 4096, 4
 _FLAT_UNARY = True
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -

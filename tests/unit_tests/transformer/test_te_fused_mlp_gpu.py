@@ -52,13 +52,14 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
 # Relative error ||got - ref|| / ||ref|| of a fused class against MLP on the same weights (the
 # fused-MLP clamp PR's metric). fp32: both run the same fp32 math and differ by GEMM and kernel
-# rounding only (the grouped GEMMs accumulate in another order: up to 1.6e-5 elementwise, relative
-# to the largest element, on an H200; FusedSharedExpertMLP's dx reached 1.04e-5 in norm for the
-# gpt-oss quick-GEGLU). A wrong activation shows as 1e-2 and more. bf16: the paths round fc1's
+# rounding only, but TE's grouped GEMMs round differently from the dense ones: on an H200 the
+# grouped class's fp32 gradients differed from MLP's by up to 2.9e-5 in norm (SwiGLU, interleave
+# 32; FusedSharedExpertMLP's dx 1.04e-5), so the bound is 1e-4. A wrong activation shows as 1e-2
+# and more. bf16: the paths round fc1's
 # output separately (fused LayerNorm+GEMM vs separate ops), which also moves a few
 # pre-activations across a clamp, where the gradient jumps; bounded by the bf16 tolerance of
 # tests/unit_tests/tolerances.py.
-MLP_MATCH = {torch.float32: 2e-5, torch.bfloat16: tolerance(torch.bfloat16)["rtol"]}
+MLP_MATCH = {torch.float32: 1e-4, torch.bfloat16: tolerance(torch.bfloat16)["rtol"]}
 # A lowered op against the float64 reference (te-ops.md measured fp32 <= 2.1e-7, bf16 <= 1.9e-3).
 OP_MATCH = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
 
