@@ -189,6 +189,8 @@ FWD_CONFIGS = [
     (4096, 4, 1024),
     (4096, 8, 1024),
     (8192, 8, 1024),
+    (2048, 4, 2048),
+    (4096, 4, 2048),
     (4096, 8, 2048),
     (8192, 8, 4096),
     (16384, 16, 4096),
@@ -222,16 +224,17 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
     x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     names = ("_FWD_TILE", "_FWD_WARPS", "_BWD_TILE", "_BWD_WARPS", "_BWD_TILE_ROW")
-    names += ("_BWD_WARPS_ROW", "_MAX_BLOCK_N")
+    names += ("_BWD_WARPS_ROW", "_FWD_MAX_BLOCK_N", "_BWD_MAX_BLOCK_N", "_FLAT_UNARY")
     saved = {name: getattr(tk, name) for name in names}
     row = {}
     try:
+        tk._FLAT_UNARY = False  # the 2-D tile for every kind (the flat experiment covers the rest)
         for tile, warps, max_n in FWD_CONFIGS:
-            tk._FWD_TILE, tk._FWD_WARPS, tk._MAX_BLOCK_N = tile, warps, max_n
+            tk._FWD_TILE, tk._FWD_WARPS, tk._FWD_MAX_BLOCK_N = tile, warps, max_n
             t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
             row[f"fwd {tile}/{warps}/{max_n}"] = t / copy_fwd
         for tile, warps, max_n in BWD_CONFIGS:
-            tk._BWD_TILE, tk._BWD_WARPS, tk._MAX_BLOCK_N = tile, warps, max_n
+            tk._BWD_TILE, tk._BWD_WARPS, tk._BWD_MAX_BLOCK_N = tile, warps, max_n
             tk._BWD_TILE_ROW, tk._BWD_WARPS_ROW = tile, warps
             t = time_ms(lambda: tk.triton_backward(variant, grad, x, None, probs, params))
             row[f"bwd {tile}/{warps}/{max_n}"] = t / copy_bwd

@@ -388,7 +388,12 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
-_MAX_BLOCK_N = 1024
+# Widest column blocks, one constant per direction so the tile experiment can sweep them apart.
+# The raw GLU forward measured faster at 2048 (H200, SwiGLU(clamp=7) [16384, 16384]: 1.04-1.05x
+# the copy floor at 1024, 1.00-1.01x at 2048, two runs) but the whole path showed no gain beyond
+# run-to-run noise, and 1024 is the configuration the GPU test tier has run (docs/performance.md).
+_FWD_MAX_BLOCK_N = 1024
+_BWD_MAX_BLOCK_N = 1024
 # Non-gated forwards, and non-gated backwards without bias or probabilities (no reduction),
 # stream flat blocks (_unary_fwd_flat_kernel, _unary_bwd_flat_kernel) when _FLAT_UNARY is set;
 # the 2-D tile stays for the comparison (tools/benchmark_kernel_variants.py --experiment flat; H200,
@@ -411,8 +416,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _block_n(F: int) -> int:
-    """Column block: the widest power of two in 128.._MAX_BLOCK_N whose masked tail wastes at
+def _block_n(F: int, max_block_n: int) -> int:
+    """Column block: the widest power of two in 128..max_block_n whose masked tail wastes at
     most 1/8 of the row, else the one that wastes least; narrow rows get one block.
 
     Wide blocks keep each row's loads long and contiguous: at F = 2880 (gpt-oss) 128-column
@@ -421,7 +426,7 @@ def _block_n(F: int) -> int:
     """
     if F <= 128:
         return triton.next_power_of_2(F)
-    sizes = [b for b in (4096, 2048, 1024, 512, 256, 128) if b <= _MAX_BLOCK_N]
+    sizes = [b for b in (4096, 2048, 1024, 512, 256, 128) if b <= max_block_n]
     waste = {b: _cdiv(F, b) * b - F for b in sizes}
     for b in sizes:
         if 8 * waste[b] <= F:
@@ -435,8 +440,7 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
     MoE experts make (the arguments after ``v`` and ``F`` are the module constants, so a changed
     constant gets a fresh plan)."""
-    del max_block_n  # part of the cache key only; _block_n reads it
-    block_n = _block_n(F)
+    block_n = _block_n(F, max_block_n)
     block_m = max(1, tile // block_n)
     kwargs = dict(
         KIND=v.kind,
@@ -457,7 +461,7 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
 
 
 def _forward_plan(v, F):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _MAX_BLOCK_N)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N)
 
 
 def _backward_plan(v, F):
@@ -465,8 +469,8 @@ def _backward_plan(v, F):
         # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
         # the copy floor on an H200 against 1.04x over one row (docs/performance.md), and GLUs
         # gain nothing from taller tiles.
-        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _MAX_BLOCK_N)
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _MAX_BLOCK_N)
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N)
 
 
 def _contiguous(*tensors):
