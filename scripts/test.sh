@@ -18,10 +18,15 @@ if [ "${UPSTREAM_TIER:-1}" = 1 ]; then
   # The pytest launcher, not `python -m pytest`: the repository root must not be on sys.path,
   # or its megatron/ would shadow the upstream megatron-core under test.
   # Every test is a handful of fresh interpreters; --dist loadfile keeps each file's shared
-  # training-run fixtures on one worker, so that no run happens twice.
+  # training-run fixtures on one worker, so that no run happens twice. The `alone` tests
+  # uninstall this package for a moment, so they run afterwards, by themselves.
   "$UVENV/bin/pytest" -c tests/upstream/pytest.ini --rootdir tests/upstream -p no:cacheprovider \
-    -n "${PYTEST_WORKERS:-auto}" --dist loadfile tests/upstream
+    -n "${PYTEST_WORKERS:-auto}" --dist loadfile -m "not alone" tests/upstream
   urc=$?
+  "$UVENV/bin/pytest" -c tests/upstream/pytest.ini --rootdir tests/upstream -p no:cacheprovider \
+    -m alone tests/upstream
+  arc=$?
+  [ "$urc" -eq 0 ] && urc=$arc
   set -e
   [ "$rc" -eq 0 ] && rc=$urc
 fi

@@ -230,6 +230,10 @@ def _distributed_entry(rank: int, worker: Callable, world_size: int, backend: st
     )
     try:
         result = worker(rank, world_size, *args)
+        # No rank tears its groups down while another may still be using or connecting them: a
+        # fast rank leaving new_group() early and destroying the world made a slow peer's gloo
+        # connect fail ("Connection closed by peer") on the 2-core CI machine.
+        torch.distributed.barrier()
         if rank == 0:
             # torch.save pickles: any picklable result comes back, tensors moved to the CPU.
             torch.save(to_cpu(result), os.path.join(tmp, _RESULT_FILE))

@@ -55,6 +55,7 @@ def test_this_package_owns_no_upstream_file():
     assert _record_problems("megatron-core-activations") == []
 
 
+@pytest.mark.alone  # every other test imports the package this one uninstalls
 def test_uninstalling_leaves_upstream_intact_and_reinstall_works():
     source = os.environ.get("MCORE_ACTIVATIONS_SOURCE")
     if not source:
