@@ -140,6 +140,12 @@ LADDER = {
         "mcore_activations.te_import",
     },
     "megatron.core.tensor_parallel.checkpoint_autograd": set(),
+    "megatron.core.tensor_parallel.cross_entropy": {
+        "megatron.core.parallel_state",
+        "megatron.core.tensor_parallel.utils",
+        "megatron.core.utils",
+    },
+    "megatron.core.tensor_parallel.data": {"megatron.core.utils"},
     "megatron.core.parallel_layout": set(),
     "megatron.core.parallel_state_store": set(),
     "megatron.core.parallel_state_ranks": {"megatron.core.parallel_state_store"},

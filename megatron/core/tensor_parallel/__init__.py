@@ -1,5 +1,7 @@
 """Tensor-parallel layers, collectives and random-number streams."""
 
+from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     LinearWithFrozenWeight,
@@ -50,6 +52,10 @@ from megatron.core.tensor_parallel.utils import (
 )
 
 __all__ = [
+    # cross_entropy
+    "vocab_parallel_cross_entropy",
+    # data
+    "broadcast_data",
     # layers
     "ColumnParallelLinear",
     "LinearWithGradAccumulationAndAsyncCommunication",

@@ -58,6 +58,21 @@ _GTP_REMAT_RNG_TRACKER_NAME = "gtp-remat-rng"
 _EXPERT_GTP_REMAT_RNG_TRACKER_NAME = "egtp-remat-rng"
 
 
+def __getattr__(name: str):
+    # Upstream's ``HAVE_TE``: whether Transformer Engine imports. Answered by the TE seam at each
+    # read, not copied at import, so a fake TE set on the seam shows here. A test that patches
+    # ``random.HAVE_TE`` binds a module global instead, which _have_te() reads first.
+    if name == "HAVE_TE":
+        return te_import.have_te()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _have_te() -> bool:
+    """``HAVE_TE`` as patched into this module, else the seam's."""
+    namespace = globals()
+    return bool(namespace["HAVE_TE"]) if "HAVE_TE" in namespace else te_import.have_te()
+
+
 # ------------------------------------------------------------------ device generator access
 
 
@@ -192,7 +207,7 @@ def initialize_rng_tracker(
     if _CUDA_RNG_STATE_TRACKER is not None and not force_reset:
         return
     if use_te_rng_tracker:
-        if not te_import.have_te():
+        if not _have_te():
             raise ValueError(
                 "use_te_rng_tracker=True needs Transformer Engine (>= 1.5) and "
                 "megatron.core.extensions.transformer_engine.TECudaRNGStatesTracker; install "
