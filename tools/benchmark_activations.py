@@ -18,9 +18,11 @@ forward and forward+backward of:
 
 ``floor`` is a device-to-device copy of the bytes the activation must move, measured in the same
 run: forward reads the input and writes the output; backward reads the input and the output
-gradient and writes the input gradient. Each time is the median over repeats of ``--calls``
-back-to-back calls between two CUDA events, divided by ``--calls``: a call whose host side is
-slower than its kernels shows up as host time, as it would in training.
+gradient and writes the input gradient. Each time is the median over repeats of a batch of
+back-to-back calls between two CUDA events, divided by the batch size: a call whose host side is
+slower than its kernels shows up as host time, as it would in training. The candidates of a row
+(floor included) take turns within every repeat, so drift of the card's state during a row is
+shared by all of them rather than charged to whichever ran first.
 """
 
 from __future__ import annotations
@@ -75,26 +77,48 @@ SWEEP_H = [1024, 2880, 8192, 16384]  # 2880 (gpt-oss) is not a multiple of 128
 
 def time_ms(fn, calls=10, repeats=7, warmup=3):
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back ``fn()`` calls."""
-    for _ in range(warmup):
-        fn()
+    return time_interleaved({"fn": fn}, calls, repeats, warmup)["fn"]
+
+
+def time_interleaved(fns, calls=10, repeats=7, warmup=3):
+    """``{label: ms}`` for each of ``fns``, timed in turns: each repeat times every candidate
+    once, starting one further along the list each time.
+
+    Timing candidates one after another let the card's state drift between them (clocks,
+    temperature, the allocator after the previous candidate): in earlier runs whichever
+    candidate came first in a row read a few percent slower than its neighbours. Turns spread
+    that drift over all of them, so ratios within a row compare like with like.
+    """
+    labels = list(fns)
+    for label in labels:
+        for _ in range(warmup):
+            fns[label]()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    times = {label: [] for label in labels}
+    for r in range(repeats):
+        for i in range(len(labels)):
+            label = labels[(r + i) % len(labels)]
+            fn = fns[label]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[label].append(start.elapsed_time(end) / calls)
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+def copy_fn(nbytes):
+    """A device copy moving ``nbytes`` bytes in all (half read, half written)."""
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
 
 
 def copy_ms(nbytes, calls=10):
     """Time of a device copy moving ``nbytes`` bytes in all (half read, half written)."""
-    src = torch.empty(max(1, nbytes // 4), dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src), calls)
+    return time_ms(copy_fn(nbytes), calls)
 
 
 def te_candidate(spec, weighted):
@@ -159,20 +183,29 @@ def bench(name, spec, T, H, dtype, weighted, with_eager):
         "T": T,
         "H": H,
         "weighted": weighted,
-        "floor_fwd_ms": copy_ms(fwd_bytes, calls),
-        "floor_fwd_bwd_ms": copy_ms(fwd_bytes + bwd_bytes, calls),
     }
-    for label, fn in candidates(spec, weighted, with_eager).items():
-        with torch.no_grad():
-            row[f"{label}_fwd_ms"] = time_ms(lambda fn=fn: fn(x, probs), calls)
+    found = candidates(spec, weighted, with_eager)
 
-        def fwd_bwd(fn=fn):
+    def fwd_bwd(fn):
+        def call():
             xg.grad = None
             if pg is not None:
                 pg.grad = None
             fn(xg, pg).backward(grad)
 
-        row[f"{label}_fwd_bwd_ms"] = time_ms(fwd_bwd, calls)
+        return call
+
+    forward = {"floor": copy_fn(fwd_bytes)} | {
+        label: (lambda fn=fn: fn(x, probs)) for label, fn in found.items()
+    }
+    both = {"floor": copy_fn(fwd_bytes + bwd_bytes)} | {
+        label: fwd_bwd(fn) for label, fn in found.items()
+    }
+    with torch.no_grad():
+        for label, ms in time_interleaved(forward, calls).items():
+            row[f"{label}_fwd_ms"] = ms
+    for label, ms in time_interleaved(both, calls).items():
+        row[f"{label}_fwd_bwd_ms"] = ms
     return row
 
 

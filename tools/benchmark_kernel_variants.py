@@ -26,6 +26,10 @@ may contract multiply-adds differently from eager) before it is timed.
   against the 2-D tile kernels GLUs use, for several flat block sizes, with and without bias and
   probabilities, next to plain ``torch.compile`` of the same forward math: the measurement
   behind ``triton_kernels._FLAT_UNARY``.
+- ``glu``: every GLU kind's raw forward and backward at the current launch shape and at the
+  widest column block of 2048, next to plain ``torch.compile`` and TE's forward, all timed in
+  turns within one repeat (``time_interleaved``), so the kinds and the columns compare like with
+  like (the measurement behind ``_FWD_MAX_BLOCK_N``).
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -46,7 +50,13 @@ from mcore_activations.activation_spec import (  # noqa: E402
     ActivationSpec,
 )
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
-from tools.benchmark_activations import copy_ms, time_ms  # noqa: E402
+from tools.benchmark_activations import (  # noqa: E402
+    copy_fn,
+    copy_ms,
+    te_candidate,
+    time_interleaved,
+    time_ms,
+)
 
 _SILU, _QGELU = ActivationKind.SILU, ActivationKind.QUICK_GELU
 SPECS = {
@@ -306,6 +316,81 @@ def bench_flat(spec, has_bias, weighted, rows, ffn, dtype):
     }
 
 
+GLU_CASES = {
+    "SwiGLU": (SPECS["SwiGLU"], torch.bfloat16),
+    "SwiGLU(clamp=7)": (SPECS["SwiGLU(clamp=7)"], torch.bfloat16),
+    "ReGLU": (ActivationSpec(ActivationKind.RELU, gated=True), torch.bfloat16),
+    "GEGLU": (ActivationSpec(ActivationKind.GELU_TANH, gated=True), torch.bfloat16),
+    "quick-GEGLU(gpt-oss)": (SPECS["quick-GEGLU(gpt-oss)"], torch.bfloat16),
+    "SiTU-GLU(4)": (ActivationSpec(_SILU, gated=True, gate_tanh_scale=4.0), torch.bfloat16),
+    "SiTU-GLU(4,25)": (SPECS["SiTU-GLU(4,25)"], torch.bfloat16),
+    "SwiGLU(clamp=7), fp32": (SPECS["SwiGLU(clamp=7)"], torch.float32),
+}
+
+
+def _with_constants(tk, constants: dict, fn):
+    """``fn`` run with the module constants of ``triton_kernels`` set to ``constants``."""
+
+    def call():
+        saved = {name: getattr(tk, name) for name in constants}
+        for name, value in constants.items():
+            setattr(tk, name, value)
+        try:
+            fn()
+        finally:
+            for name, value in saved.items():
+                setattr(tk, name, value)
+
+    return call
+
+
+def bench_glu(spec, rows, ffn, dtype):
+    """Raw GLU kernels at two widest column blocks, torch.compile and TE, timed in turns."""
+    from mcore_activations.fusions import triton_kernels as tk
+    from tools.benchmark_activations import compile_candidate
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+
+    def forward():
+        return tk.triton_forward(variant, x, None, None, params)
+
+    def backward():
+        return tk.triton_backward(variant, grad, x, None, None, params)[0]
+
+    reference_out, reference_dx = forward(), backward()
+    fwd = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
+    bwd = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
+    for max_n in (1024, 2048):
+        constants = {"_FWD_MAX_BLOCK_N": max_n}
+        check_formulation(f"fwd {max_n}", _result(tk, constants, forward), reference_out)
+        fwd[f"fwd max {max_n}"] = _with_constants(tk, constants, forward)
+    for tile, warps, max_n in ((1024, 4, 1024), (2048, 4, 2048), (2048, 8, 2048)):
+        constants = {"_BWD_TILE_ROW": tile, "_BWD_WARPS_ROW": warps, "_BWD_MAX_BLOCK_N": max_n}
+        check_formulation(f"bwd {tile}/{warps}", _result(tk, constants, backward), reference_dx)
+        bwd[f"bwd {tile}/{warps}/{max_n}"] = _with_constants(tk, constants, backward)
+    compiled = compile_candidate(spec, False)
+    fwd["torch.compile"] = lambda: compiled(x, None)
+    te = te_candidate(spec, False)
+    if te is not None:
+        fwd["TE"] = lambda: te(x, None)
+    row = {}
+    with torch.no_grad():
+        for group in (fwd, bwd):
+            times = time_interleaved(group)
+            floor = times.pop("floor")
+            row |= {label: t / floor for label, t in times.items()}
+    return row
+
+
+def _result(tk, constants, fn):
+    out = []
+    _with_constants(tk, constants, lambda: out.append(fn()))()
+    return out[0]
+
+
 PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
@@ -435,7 +520,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = ["compile", "layout", "tiles", "flat", "path", "host", "all"]
+    experiments = ["compile", "layout", "tiles", "flat", "glu", "path", "host", "all"]
     parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -466,6 +551,11 @@ def main(argv=None):
             for n, (s, b, w) in FLAT_CASES.items()
         }
         _print_table("non-gated forward: 2-D tiles vs flat blocks", results["flat"])
+    if args.experiment in ("glu", "all"):
+        results["glu"] = {
+            n: bench_glu(s, args.rows, args.ffn, d) for n, (s, d) in GLU_CASES.items()
+        }
+        _print_table("GLU kinds: widest column block, compile and TE, in turns", results["glu"])
     if args.experiment in ("path", "all"):
         results["path"] = {
             n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
