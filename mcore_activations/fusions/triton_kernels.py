@@ -11,7 +11,9 @@ stale-constant class of bug (docs/compile-safety.md) and CUDA-graph capturable.
 Numerics follow the torch reference in ``activation_kernels``: the same formulas, loads upcast
 to float32, all math in float32, stores cast to the output dtype. One is rearranged: GELU's
 ``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, which costs one exponential and one
-division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Clamps are ``where``
+division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Every division (the
+sigmoid's, tanh's) has a divisor ``>= 1`` and runs as a hardware reciprocal and a multiply on
+CUDA (within 1.5 ulp; ``_div``), the portable division elsewhere. Clamps are ``where``
 selects that keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are
 inclusive at the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
 
@@ -52,12 +54,33 @@ _GELU_TANH_COEF = tl.constexpr(GELU_TANH_COEF)
 
 
 # ----------------------------------------------------------------------------- elementwise math
+if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+
+    @triton.jit
+    def _div(a, b):
+        # The interpreter (and ROCm, which has no PTX) divide the portable way.
+        return tl.math.fdiv(a, b)
+
+else:
+
+    @triton.jit
+    def _div(a, b):
+        # a * rcp.approx(b): one special-function reciprocal (within 1 ulp) and a multiply,
+        # within 1.5 ulp of a / b. Triton's ``/`` and ``tl.sigmoid`` emit IEEE division and
+        # ``tl.math.fdiv`` the full-range div.full.f32 (2 ulp), multi-instruction sequences per
+        # element that made the transcendental-heavy activations (SiTU-GLU) compute-bound on an
+        # H200. Every divisor here is 1 + exp(...) >= 1, so the full-range scaling div.full
+        # pays for never applies (rcp of b > 2**126 flushes to 0, where a / b is below 1e-38).
+        r = tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1
+        )
+        return a * r
+
+
 @triton.jit
 def _sigmoid(x):
-    # 1 / (1 + exp(-x)) with the fast division (div.full.f32, within 2 ulp): Triton's ``/`` and
-    # ``tl.sigmoid`` emit IEEE division, a multi-instruction sequence per element that made the
-    # transcendental-heavy activations (SiTU-GLU) compute-bound on an H200.
-    return tl.math.fdiv(1.0, 1.0 + tl.exp(-x))
+    # 1 / (1 + exp(-x)); exp(-x) overflows to inf for x < -88, giving 0, and NaN stays NaN.
+    return _div(1.0, 1.0 + tl.exp(-x))
 
 
 @triton.jit
@@ -67,7 +90,7 @@ def _tanh(x):
     # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
-    t = tl.math.fdiv(1.0 - e, 1.0 + e)
+    t = _div(1.0 - e, 1.0 + e)
     x2 = x * x
     small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     # NaN fails both comparisons and falls through to t, which is NaN.
@@ -96,7 +119,7 @@ def _base_and_grad(x, KIND: tl.constexpr):
         # same exp(-|2z|), which never overflows, so 1 - s is accurate for x >> 0 as well.
         z2 = (x + x * x * x * _GELU_TANH_COEF) * (2.0 * _SQRT_2_OVER_PI)
         e = tl.exp(-tl.abs(z2))
-        hi = tl.math.fdiv(1.0, 1.0 + e)  # sigmoid(|2z|)
+        hi = _div(1.0, 1.0 + e)  # sigmoid(|2z|)
         lo = e * hi  # sigmoid(-|2z|) == 1 - sigmoid(|2z|)
         s = tl.where(z2 < 0.0, lo, hi)  # NaN selects hi, which is NaN
         one_minus_s = tl.where(z2 < 0.0, hi, lo)
@@ -388,11 +411,11 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
-# Widest column blocks, one constant per direction so the tile experiment can sweep them apart.
-# The raw GLU forward measured faster at 2048 (H200, SwiGLU(clamp=7) [16384, 16384]: 1.04-1.05x
-# the copy floor at 1024, 1.00-1.01x at 2048, two runs) but the whole path showed no gain beyond
-# run-to-run noise, and 1024 is the configuration the GPU test tier has run (docs/performance.md).
-_FWD_MAX_BLOCK_N = 1024
+# Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
+# every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
+# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, run 9). The
+# backward gained at most 0.02 from wider rows and SiTU-GLU's lost 0.09, so it stays at 1024.
+_FWD_MAX_BLOCK_N = 2048
 _BWD_MAX_BLOCK_N = 1024
 # Non-gated forwards, and non-gated backwards without bias or probabilities (no reduction),
 # stream flat blocks (_unary_fwd_flat_kernel, _unary_bwd_flat_kernel) when _FLAT_UNARY is set;
