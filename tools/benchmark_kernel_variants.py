@@ -474,6 +474,25 @@ def bench_host():
         xg.grad = None
         fused_activation(xg, spec).backward(grad)
 
+    class _PassThrough(torch.autograd.Function):
+        # The least a Python autograd.Function costs: one output allocation each way, no kernel.
+        @staticmethod
+        def forward(ctx, x):
+            return torch.empty(8, 32, device=x.device, dtype=x.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.empty(8, 64, device=grad.device, dtype=grad.dtype)
+
+    def autograd_floor():
+        xg.grad = None
+        _PassThrough.apply(xg).backward(grad)
+
+    def native_fwd_bwd():
+        # One native op each way (silu on the first half), no Python autograd.Function.
+        xg.grad = None
+        torch.nn.functional.silu(xg[:, :32]).backward(grad)
+
     layers = {
         "torch.empty": lambda: torch.empty(8, 32, device="cuda", dtype=torch.bfloat16),
         "triton launch": launch,
@@ -482,7 +501,18 @@ def bench_host():
         "fused_activation (no grad)": lambda: fused_activation(x, spec),
         "triton_backward": lambda: tk.triton_backward(variant, grad, x, None, None, params),
         "fused_activation fwd+bwd": fwd_bwd,
+        "autograd floor: Python Function, no kernels, fwd+bwd": autograd_floor,
+        "autograd floor: one native op, fwd+bwd": native_fwd_bwd,
     }
+    te = te_candidate(spec, False)
+    if te is not None:
+
+        def te_fwd_bwd():
+            xg.grad = None
+            te(xg, None).backward(grad)
+
+        layers["TE op (no grad)"] = lambda: te(x, None)
+        layers["TE op fwd+bwd"] = te_fwd_bwd
     row = {}
     for label, fn in layers.items():
         for _ in range(50):
