@@ -44,14 +44,15 @@ def get_pg_size(group=None) -> int:
     """
     if group is None or not torch.distributed.is_initialized():
         return 1
-    return torch.distributed.get_world_size(group=group)
+    # The group's own method, as upstream: any object with size() / rank() serves as a group.
+    return group.size()
 
 
 def get_pg_rank(group=None) -> int:
     """Returns this rank's index in ``group``; 0 without ``torch.distributed`` or a group."""
     if group is None or not torch.distributed.is_initialized():
         return 0
-    return torch.distributed.get_rank(group=group)
+    return group.rank()
 
 
 def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, check_initialized=True):

@@ -99,3 +99,20 @@ def test_deprecate_inference_params():
     assert utils.deprecate_inference_params("ctx", None) == "ctx"
     with pytest.warns(DeprecationWarning, match="inference_params"):
         assert utils.deprecate_inference_params(None, "params") == "params"
+
+
+def test_pg_size_and_rank_ask_the_group_itself(monkeypatch):
+    # As upstream: the group's own size() / rank(), so any object with those methods (a wrapper,
+    # a test double) serves as a group; no group or no torch.distributed means one rank.
+    class Group:
+        def size(self):
+            return 4
+
+        def rank(self):
+            return 3
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert utils.get_pg_size(Group()) == 4 and utils.get_pg_rank(Group()) == 3
+    assert utils.get_pg_size(None) == 1 and utils.get_pg_rank(None) == 0
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    assert utils.get_pg_size(Group()) == 1 and utils.get_pg_rank(Group()) == 0

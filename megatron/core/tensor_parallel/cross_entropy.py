@@ -6,7 +6,7 @@ rank ever sees a whole row. The loss per token is ``log(sum_i exp(z_i)) - z_targ
 1. ``m``: the row maximum, all-reduced with MAX, subtracted from every logit (so every ``exp``
    argument is <= 0 and cannot overflow, whatever the logits' magnitude);
 2. the target's shifted logit (only the rank owning the target contributes; the others add 0)
-   and the sum of ``exp`` of the shifted logits, both all-reduced with SUM in one collective;
+   and the sum of ``exp`` of the shifted logits, each all-reduced with SUM;
 3. ``loss = log(sum_exp) - shifted_target_logit``; the ``exp`` buffer divided by ``sum_exp`` is
    the softmax, saved for the backward pass (``grad = softmax - onehot(target)``).
 
@@ -32,7 +32,9 @@ from typing import Optional
 
 import torch
 
-from megatron.core import parallel_state
+# Imported by name, as upstream does: code and tests that patch
+# ``cross_entropy.get_tensor_model_parallel_group`` see their patch used here.
+from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.tensor_parallel.utils import VocabUtility
 from megatron.core.utils import get_pg_rank, get_pg_size
 
@@ -172,7 +174,10 @@ def _check_arguments(logits: torch.Tensor, target: torch.Tensor, label_smoothing
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
-    if get_pg_size(group) > 1:
+    # One collective per reduced quantity, on any group given (a one-rank group too), as
+    # upstream: code that counts or intercepts them sees upstream's calls. Only a single process
+    # without torch.distributed (no group at all) skips them.
+    if group is not None:
         torch.distributed.all_reduce(tensor, op=op, group=group)
 
 
@@ -184,7 +189,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         """Returns the float32 loss of every token, shaped like ``target``."""
         _check_arguments(vocab_parallel_logits, target, label_smoothing)
         if tp_group is None and torch.distributed.is_initialized():
-            tp_group = parallel_state.get_tensor_model_parallel_group()
+            tp_group = get_tensor_model_parallel_group()
         world_size, rank = get_pg_size(tp_group), get_pg_rank(tp_group)
 
         # A private float32 copy: the steps below overwrite it in place, and a float32 input
@@ -203,19 +208,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_mask, masked_target_1d, predicted_logits = _target_logits(
             logits, target, vocab_start, vocab_end
         )
-        # Sums over the partition, all-reduced together in one collective: the target's logit,
-        # sum(exp) and, with smoothing, sum(shifted logits) for the mean log-probability.
-        shifted_sum = [logits.sum(dim=-1)] if label_smoothing > 0 else []
+        # Sums over the partition, each all-reduced in upstream's order: the target's logit, then
+        # sum(exp); with smoothing also sum(shifted logits), for the mean log-probability.
+        shifted_sum = logits.sum(dim=-1) if label_smoothing > 0 else None
         exp_logits, sum_exp_logits = _exp_and_sum(logits)
-        reduced = torch.stack([predicted_logits, sum_exp_logits, *shifted_sum])
-        _all_reduce(reduced, torch.distributed.ReduceOp.SUM, tp_group)
+        _all_reduce(predicted_logits, torch.distributed.ReduceOp.SUM, tp_group)
+        _all_reduce(sum_exp_logits, torch.distributed.ReduceOp.SUM, tp_group)
 
         softmax, loss = VocabParallelCrossEntropy.calculate_cross_entropy_loss(
-            exp_logits, reduced[0], reduced[1]
+            exp_logits, predicted_logits, sum_exp_logits
         )
-        if label_smoothing > 0:
+        if shifted_sum is not None:
+            _all_reduce(shifted_sum, torch.distributed.ReduceOp.SUM, tp_group)
             smoothing = _smoothing(label_smoothing, vocab_size)
-            mean_log_probs = reduced[2] / vocab_size - torch.log(reduced[1])
+            mean_log_probs = shifted_sum / vocab_size - torch.log(sum_exp_logits)
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
         ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size

@@ -89,6 +89,15 @@ def get_module(spec_or_module: Union[ModuleSpec, type, Callable], **additional_k
     return import_module(module)
 
 
+class MissingSubmodulesKeywordError(KeyError, ValueError):
+    """A ``functools.partial`` spec binds no ``submodules``: a ``KeyError`` (upstream's type for
+    this case) and a ``ValueError`` (the type for any other spec without submodules)."""
+
+    def __str__(self) -> str:
+        # KeyError's str() would show the message quoted; show it as written.
+        return str(self.args[0]) if self.args else ""
+
+
 def get_submodules(spec: Any) -> Any:
     """Returns the ``submodules`` a spec carries.
 
@@ -98,11 +107,18 @@ def get_submodules(spec: Any) -> Any:
 
     Raises:
         ValueError: ``spec`` carries no submodules (e.g. a bare class).
+        MissingSubmodulesKeywordError: ``spec`` is a partial without ``submodules=`` (both a
+            ``KeyError``, as upstream, and a ``ValueError``).
     """
     if isinstance(spec, functools.partial):
         if "submodules" in spec.keywords:
             return spec.keywords["submodules"]
-    elif hasattr(spec, "submodules"):
+        # Upstream looks the keyword up and so raises KeyError here; the error is also a
+        # ValueError, the type raised for every other spec without submodules.
+        raise MissingSubmodulesKeywordError(
+            f"{spec!r} binds no 'submodules' keyword (a partial passes them as submodules=...)."
+        )
+    if hasattr(spec, "submodules"):
         return spec.submodules
     raise ValueError(f"{spec!r} carries no submodules (not a ModuleSpec or partial with them).")
 

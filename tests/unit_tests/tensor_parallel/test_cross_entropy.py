@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import megatron.core.tensor_parallel as tp
+import megatron.core.tensor_parallel.cross_entropy as cross_entropy_module
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.cross_entropy import (
     VocabParallelCrossEntropy,
@@ -99,8 +100,61 @@ def test_single_rank_without_torch_distributed(monkeypatch):
         raise AssertionError("parallel_state consulted without torch.distributed")
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", no_groups)
+    monkeypatch.setattr(cross_entropy_module, "get_tensor_model_parallel_group", no_groups)
     logits, target, grad_output = draw_inputs(5, SHAPE, VOCAB, torch.float32)
     _check(logits, target, grad_output, 0.1, "without torch.distributed")
+
+
+class _OneRankGroup:
+    """Stands in for a process group of one rank (what get_pg_size / get_pg_rank ask)."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("alpha", ALPHAS, ids=lambda a: f"smoothing{a}")
+def test_given_group_gets_one_collective_per_reduced_quantity(monkeypatch, alpha):
+    # Upstream's calls, in upstream's order: MAX of the row maxima, then SUM of the target
+    # logits and SUM of sum(exp), each on the group passed, a one-rank group included; with
+    # smoothing a fourth SUM (of the shifted logits) follows. The global group is not read.
+    group, calls = _OneRankGroup(), []
+
+    def record(tensor, op=None, group=None):
+        calls.append((op, group))
+
+    def no_global_group():
+        raise AssertionError("the global tensor-parallel group was read")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", record)
+    monkeypatch.setattr(cross_entropy_module, "get_tensor_model_parallel_group", no_global_group)
+    logits, target, grad_output = draw_inputs(9, SHAPE, VOCAB, torch.float32)
+    loss, grad = _loss_and_grad(logits, target, grad_output, alpha, tp_group=group)
+
+    max_, sum_ = torch.distributed.ReduceOp.MAX, torch.distributed.ReduceOp.SUM
+    expected = [(max_, group), (sum_, group), (sum_, group)] + ([(sum_, group)] if alpha else [])
+    assert calls == expected
+    ref_loss, ref_grad = reference_loss_and_grad(logits, target, grad_output, alpha)
+    assert_close_to_reference(loss, ref_loss, torch.float32, "loss on a given group")
+    assert_close_to_reference(grad, ref_grad, torch.float32, "gradient on a given group")
+
+
+def test_default_group_is_looked_up_through_this_module(monkeypatch):
+    # tp_group=None asks the name this module imported from parallel_state, as upstream's
+    # does, so a patch of cross_entropy.get_tensor_model_parallel_group takes effect.
+    group, asked = _OneRankGroup(), []
+
+    def patched():
+        asked.append(True)
+        return group
+
+    monkeypatch.setattr(cross_entropy_module, "get_tensor_model_parallel_group", patched)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: None)
+    logits, target, grad_output = draw_inputs(10, SHAPE, VOCAB, torch.float32)
+    _check(logits, target, grad_output, 0.0, "patched default group")
+    assert asked
 
 
 @pytest.mark.parametrize("alpha", [1.0, 1.5, -0.1])

@@ -50,8 +50,25 @@ def test_spec_is_callable_and_submodules_come_from_partials_too():
     assert (block.width, block.scale) == (4, 2.0) and spec.metainfo == {"origin": "test"}
     parts = _Parts()
     assert get_submodules(functools.partial(_Block, submodules=parts)) is parts
-    with pytest.raises(ValueError, match="carries no submodules"):
+    with pytest.raises(ValueError, match="binds no 'submodules' keyword"):
         get_submodules(functools.partial(_Block, scale=1.0))
+
+
+def test_partial_without_submodules_raises_upstreams_key_error_too():
+    import functools
+
+    from megatron.core.transformer.spec_utils import MissingSubmodulesKeywordError
+
+    # Upstream raises KeyError for this case (its keyword lookup), ValueError for other specs;
+    # the fork's error is both, so callers catching either keep working.
+    with pytest.raises(KeyError) as raised:
+        get_submodules(functools.partial(_Block, scale=1.0))
+    assert isinstance(raised.value, ValueError)
+    assert isinstance(raised.value, MissingSubmodulesKeywordError)
+    assert str(raised.value).startswith("functools.partial(")  # not KeyError's quoted form
+    with pytest.raises(ValueError) as raised:
+        get_submodules(_Block)
+    assert not isinstance(raised.value, KeyError)
 
 
 def test_build_module_without_submodules_passes_none_of_them():
