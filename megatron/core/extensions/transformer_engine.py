@@ -12,7 +12,8 @@ Where each job lives (docs/te-paths.md):
   TE in that one place. ``te`` and ``HAVE_TE`` here read the seam too.
 - ``mcore_activations.te_lowering``: the one activation lowering, ``ActivationSpec`` -> the
   ``te.pytorch.ops`` op that computes it, or :class:`UnsupportedActivationError`.
-- ``te_linears``: the TE linear wrappers. ``te_recipes``: the grouped paths' quantization recipes.
+- ``te_linears``: the TE linear wrappers. ``te_norm``: ``TENorm``. ``te_recipes``: the grouped
+  paths' quantization recipes.
 - ``te_rng``: the RNG tracker (``tensor_parallel.random`` imports only it).
 - ``te_fused_mlp``: ``TEFusedMLP`` and ``TEFusedMLPWithGroupedLinear``.
 """
@@ -57,6 +58,7 @@ from megatron.core.extensions.te_linears import (
     TERowParallelLinear,
     set_save_original_input,
 )
+from megatron.core.extensions.te_norm import TENorm
 from megatron.core.extensions.te_recipes import (
     FUSED_RECIPES,
     TEFusedRecipeError,
@@ -82,6 +84,7 @@ __all__ = [
     "TEGroupedLinear",
     "TELayerNormColumnParallelLinear",
     "TELinear",
+    "TENorm",
     "TERowParallelGroupedLinear",
     "TERowParallelLinear",
     "TEVersionError",
