@@ -34,6 +34,7 @@ from megatron.core.extensions.te_linears import (
     _rng_tracker_function,
 )
 from megatron.core.extensions.te_recipes import (
+    TEFusedRecipeError,
     check_fused_recipe_runs_here,
     fused_recipe_autocast,
     fused_recipe_model_init,
@@ -435,8 +436,10 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         RuntimeError: Transformer Engine is older than 2.14.
         ValueError: ``add_bias_linear`` is set; ``glu_interleave_size`` does not divide the
             per-rank FFN width.
-        TEFusedRecipeError: The chosen recipe is unknown (at construction), or cannot run on
-            this machine (at the first forward).
+        TEFusedRecipeError: The chosen recipe is unknown (at construction), is named in the
+            config's ``te_fused_recipe`` as a quantized recipe at tensor-parallel size > 1 (at
+            construction: those ops run unquantized), or cannot run on this machine (at the
+            first forward).
         UnsupportedActivationError: TE's grouped ops cannot compute the activation.
     """
 
@@ -490,7 +493,16 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         name = type(self).__name__
         tp_size, _ = self._get_te_ops_tensor_parallel_context()
         if tp_size > 1:
-            # TEFusedMLP's unscaled ops run instead (see forward).
+            # TEFusedMLP's unscaled ops run instead (see forward), unquantized, as upstream's
+            # class does. A recipe the config asks for by name would then silently not apply.
+            requested = getattr(self.config, "te_fused_recipe", None)
+            if requested not in (None, "none"):
+                raise TEFusedRecipeError(
+                    f"{name}: te_fused_recipe={requested!r} cannot apply at tensor-parallel "
+                    f"size {tp_size}, where this class runs TEFusedMLP's unquantized ops. Leave "
+                    "te_fused_recipe unset (or 'none') with tensor parallelism, or use "
+                    "tensor_model_parallel_size=1 for the quantized grouped ops."
+                )
             self._te_activation = plan_te_activation(
                 spec,
                 path=f"{name} (tensor-parallel, TEFusedMLP ops)",

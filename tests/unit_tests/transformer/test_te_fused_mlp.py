@@ -22,6 +22,7 @@ import torch
 import megatron.core.extensions.te_fused_mlp as te_fused_mlp
 import megatron.core.extensions.te_recipes as te_recipes
 import megatron.core.extensions.transformer_engine as te_ext
+from megatron.core.extensions.te_recipes import TEFusedRecipeError
 from megatron.core.transformer import mlp as mlp_module
 from megatron.core.transformer.activation_spec import (
     ActivationSpec,
@@ -495,6 +496,31 @@ def test_grouped_tensor_parallel_runs_te_fused_mlp_ops(fake_te, unquantized, mon
     assert fused._grouped_te_activation is None
     assert fused._te_activation.op_name == "ClampedSwiGLU"
     assert "BasicLinear" in fused._get_fused_impl().op_names
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_grouped_tensor_parallel_refuses_a_quantized_recipe_it_would_not_apply(
+    fake_te, monkeypatch, recipe
+):
+    group = fake_tp_group(monkeypatch)
+    config = make_config("swiglu")
+    config.te_fused_recipe = recipe
+    with pytest.raises(TEFusedRecipeError, match=f"te_fused_recipe='{recipe}'.*tensor-parallel"):
+        build(GROUPED, config, tp_group=group)
+
+
+@pytest.mark.parametrize("recipe", [None, "none"])
+def test_grouped_tensor_parallel_accepts_an_unset_or_unquantized_recipe(
+    fake_te, monkeypatch, recipe
+):
+    # FP4_RECIPE (upstream's process-wide switch) and the default stay accepted at TP > 1, as
+    # upstream accepts them: other layers of the same process may run at TP = 1.
+    monkeypatch.setenv("FP4_RECIPE", "mxfp8")
+    group = fake_tp_group(monkeypatch)
+    config = make_config("swiglu")
+    config.te_fused_recipe = recipe
+    fused = build(GROUPED, config, tp_group=group)
+    assert fused._grouped_te_activation is None
 
 
 def test_grouped_tensor_parallel_refuses_scaled_only_activations(fake_te, unquantized, monkeypatch):
