@@ -29,7 +29,7 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``glu``: every GLU kind's raw forward and backward at the current launch shape and at the
   widest column block of 2048, next to plain ``torch.compile`` and TE's forward, all timed in
   turns within one repeat (``time_interleaved``), so the kinds and the columns compare like with
-  like (the measurement behind ``_FWD_MAX_BLOCK_N``).
+  like (the measurement behind ``_FWD_MAX_BLOCK_BYTES``).
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -234,13 +234,14 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
     x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     names = ("_FWD_TILE", "_FWD_WARPS", "_BWD_TILE", "_BWD_WARPS", "_BWD_TILE_ROW")
-    names += ("_BWD_WARPS_ROW", "_FWD_MAX_BLOCK_N", "_BWD_MAX_BLOCK_N", "_FLAT_UNARY")
+    names += ("_BWD_WARPS_ROW", "_FWD_MAX_BLOCK_BYTES", "_BWD_MAX_BLOCK_N", "_FLAT_UNARY")
     saved = {name: getattr(tk, name) for name in names}
     row = {}
     try:
         tk._FLAT_UNARY = False  # the 2-D tile for every kind (the flat experiment covers the rest)
         for tile, warps, max_n in FWD_CONFIGS:
-            tk._FWD_TILE, tk._FWD_WARPS, tk._FWD_MAX_BLOCK_N = tile, warps, max_n
+            tk._FWD_TILE, tk._FWD_WARPS = tile, warps
+            tk._FWD_MAX_BLOCK_BYTES = max_n * dtype.itemsize
             t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
             row[f"fwd {tile}/{warps}/{max_n}"] = t / copy_fwd
         for tile, warps, max_n in BWD_CONFIGS:
@@ -325,6 +326,7 @@ GLU_CASES = {
     "SiTU-GLU(4)": (ActivationSpec(_SILU, gated=True, gate_tanh_scale=4.0), torch.bfloat16),
     "SiTU-GLU(4,25)": (SPECS["SiTU-GLU(4,25)"], torch.bfloat16),
     "SwiGLU(clamp=7), fp32": (SPECS["SwiGLU(clamp=7)"], torch.float32),
+    "SiTU-GLU(4,25), fp32": (SPECS["SiTU-GLU(4,25)"], torch.float32),
 }
 
 
@@ -364,7 +366,7 @@ def bench_glu(spec, rows, ffn, dtype):
     fwd = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
     bwd = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
     for max_n in (1024, 2048):
-        constants = {"_FWD_MAX_BLOCK_N": max_n}
+        constants = {"_FWD_MAX_BLOCK_BYTES": max_n * dtype.itemsize}
         check_formulation(f"fwd {max_n}", _result(tk, constants, forward), reference_out)
         fwd[f"fwd max {max_n}"] = _with_constants(tk, constants, forward)
     for tile, warps, max_n in ((1024, 4, 1024), (2048, 4, 2048), (2048, 8, 2048)):
@@ -467,7 +469,7 @@ def bench_host():
     out = torch.empty(8, 32, device="cuda", dtype=torch.bfloat16)
 
     def launch():
-        kwargs = tk._forward_plan(variant, 32)[2]
+        kwargs = tk._forward_plan(variant, 32, x.element_size())[2]
         tk._activation_fwd_kernel[(2, 1)](x, None, None, params, out, 8, 32, **kwargs)
 
     def fwd_bwd():

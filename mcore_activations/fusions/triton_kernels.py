@@ -411,11 +411,13 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
-# Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
-# every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
-# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, run 9). The
-# backward gained at most 0.02 from wider rows and SiTU-GLU's lost 0.09, so it stays at 1024.
-_FWD_MAX_BLOCK_N = 2048
+# Widest column blocks. GLU forwards stream blocks of up to 4 KB per row and input half: 2048
+# columns in bf16 / fp16, 1024 in fp32. In bf16 every GLU kind's raw forward measured 1.04-1.06x
+# the copy floor at 1024 columns and 1.01-1.04x at 2048 (H200, [16384, 16384], candidates timed
+# in turns; docs/performance.md, run 9); in fp32, 2048 columns took SiTU-GLU(4,25) from 1.04x to
+# 1.17x (run 10: twice the values live per thread). The backward gained at most 0.02 from
+# wider rows and SiTU-GLU's lost 0.09, so it stays at 1024 columns for every dtype.
+_FWD_MAX_BLOCK_BYTES = 4096
 _BWD_MAX_BLOCK_N = 1024
 # Non-gated forwards, and non-gated backwards without bias or probabilities (no reduction),
 # stream flat blocks (_unary_fwd_flat_kernel, _unary_bwd_flat_kernel) when _FLAT_UNARY is set;
@@ -483,8 +485,8 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
     return block_m, block_n, kwargs, tuple(kwargs[name] for name in params)
 
 
-def _forward_plan(v, F):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N)
+def _forward_plan(v, F, itemsize: int):
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_BYTES // itemsize)
 
 
 def _backward_plan(v, F):
@@ -576,7 +578,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     if not v.gated and _FLAT_UNARY:
         _flat_forward(v, x, bias, probs, params, out, rows * F, F)
         return out
-    plan = _forward_plan(v, F)
+    plan = _forward_plan(v, F, x.element_size())
     grid = (_cdiv(rows, plan[0]), _cdiv(F, plan[1]), 1)
     key = (
         x.device.index,
