@@ -29,7 +29,8 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``glu``: every GLU kind's raw forward and backward at the current launch shape and at the
   widest column block of 2048, next to plain ``torch.compile`` and TE's forward, all timed in
   turns within one repeat (``time_interleaved``), so the kinds and the columns compare like with
-  like (the measurement behind ``_FWD_MAX_BLOCK_BYTES``).
+  like, and the division each runs (the hardware reciprocal or div.full; the measurement behind
+  ``_FWD_MAX_BLOCK_N`` and ``triton_kernels._fast_div``).
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -234,14 +235,13 @@ def bench_tiles(spec, weighted, rows, ffn, dtype):
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
     x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     names = ("_FWD_TILE", "_FWD_WARPS", "_BWD_TILE", "_BWD_WARPS", "_BWD_TILE_ROW")
-    names += ("_BWD_WARPS_ROW", "_FWD_MAX_BLOCK_BYTES", "_BWD_MAX_BLOCK_N", "_FLAT_UNARY")
+    names += ("_BWD_WARPS_ROW", "_FWD_MAX_BLOCK_N", "_BWD_MAX_BLOCK_N", "_FLAT_UNARY")
     saved = {name: getattr(tk, name) for name in names}
     row = {}
     try:
         tk._FLAT_UNARY = False  # the 2-D tile for every kind (the flat experiment covers the rest)
         for tile, warps, max_n in FWD_CONFIGS:
-            tk._FWD_TILE, tk._FWD_WARPS = tile, warps
-            tk._FWD_MAX_BLOCK_BYTES = max_n * dtype.itemsize
+            tk._FWD_TILE, tk._FWD_WARPS, tk._FWD_MAX_BLOCK_N = tile, warps, max_n
             t = time_ms(lambda: tk.triton_forward(variant, x, None, probs, params))
             row[f"fwd {tile}/{warps}/{max_n}"] = t / copy_fwd
         for tile, warps, max_n in BWD_CONFIGS:
@@ -365,14 +365,27 @@ def bench_glu(spec, rows, ffn, dtype):
     reference_out, reference_dx = forward(), backward()
     fwd = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
     bwd = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
-    for max_n in (1024, 2048):
-        constants = {"_FWD_MAX_BLOCK_BYTES": max_n * dtype.itemsize}
-        check_formulation(f"fwd {max_n}", _result(tk, constants, forward), reference_out)
-        fwd[f"fwd max {max_n}"] = _with_constants(tk, constants, forward)
-    for tile, warps, max_n in ((1024, 4, 1024), (2048, 4, 2048), (2048, 8, 2048)):
-        constants = {"_BWD_TILE_ROW": tile, "_BWD_WARPS_ROW": warps, "_BWD_MAX_BLOCK_N": max_n}
-        check_formulation(f"bwd {tile}/{warps}", _result(tk, constants, backward), reference_dx)
-        bwd[f"bwd {tile}/{warps}/{max_n}"] = _with_constants(tk, constants, backward)
+    rcp = {"_fast_div": lambda itemsize: tk._HAS_PTX_RCP}
+    div_full = {"_fast_div": lambda itemsize: False}
+    forward_cases = {
+        "fwd max 1024": {"_FWD_MAX_BLOCK_N": 1024},
+        "fwd max 2048": {"_FWD_MAX_BLOCK_N": 2048},
+        "fwd 2048 rcp": {"_FWD_MAX_BLOCK_N": 2048} | rcp,
+        "fwd 2048 div.full": {"_FWD_MAX_BLOCK_N": 2048} | div_full,
+    }
+    for label, constants in forward_cases.items():
+        check_formulation(label, _result(tk, constants, forward), reference_out)
+        fwd[label] = _with_constants(tk, constants, forward)
+    row_1024 = {"_BWD_TILE_ROW": 1024, "_BWD_WARPS_ROW": 4, "_BWD_MAX_BLOCK_N": 1024}
+    backward_cases = {
+        "bwd 1024/4/1024": row_1024,
+        "bwd 1024 rcp": row_1024 | rcp,
+        "bwd 1024 div.full": row_1024 | div_full,
+        "bwd 2048/8/2048": {"_BWD_TILE_ROW": 2048, "_BWD_WARPS_ROW": 8, "_BWD_MAX_BLOCK_N": 2048},
+    }
+    for label, constants in backward_cases.items():
+        check_formulation(label, _result(tk, constants, backward), reference_dx)
+        bwd[label] = _with_constants(tk, constants, backward)
     compiled = compile_candidate(spec, False)
     fwd["torch.compile"] = lambda: compiled(x, None)
     te = te_candidate(spec, False)

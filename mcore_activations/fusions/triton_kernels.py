@@ -12,8 +12,9 @@ Numerics follow the torch reference in ``activation_kernels``: the same formulas
 to float32, all math in float32, stores cast to the output dtype. One is rearranged: GELU's
 ``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, which costs one exponential and one
 division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Every division (the
-sigmoid's, tanh's) has a divisor ``>= 1`` and runs as a hardware reciprocal and a multiply on
-CUDA (within 1.5 ulp; ``_div``), the portable division elsewhere. Clamps are ``where``
+sigmoid's, tanh's) has a divisor ``>= 1``; for 16-bit inputs on CUDA it runs as a hardware
+reciprocal and a multiply (within 1.5 ulp), otherwise as div.full.f32 (within 2 ulp; ``_div``
+says why). Clamps are ``where``
 selects that keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are
 inclusive at the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
 
@@ -54,43 +55,46 @@ _GELU_TANH_COEF = tl.constexpr(GELU_TANH_COEF)
 
 
 # ----------------------------------------------------------------------------- elementwise math
-if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
+# rcp.approx is PTX: the interpreter and ROCm always take the portable division.
+_HAS_PTX_RCP = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
 
-    @triton.jit
-    def _div(a, b):
-        # The interpreter (and ROCm, which has no PTX) divide the portable way.
-        return tl.math.fdiv(a, b)
 
-else:
+@triton.jit
+def _div(a, b, FAST_DIV: tl.constexpr):
+    """``a / b`` for divisors ``b >= 1`` (every division here is by ``1 + exp(...)``).
 
-    @triton.jit
-    def _div(a, b):
-        # a * rcp.approx(b): one special-function reciprocal (within 1 ulp) and a multiply,
-        # within 1.5 ulp of a / b. Triton's ``/`` and ``tl.sigmoid`` emit IEEE division and
-        # ``tl.math.fdiv`` the full-range div.full.f32 (2 ulp), multi-instruction sequences per
-        # element that made the transcendental-heavy activations (SiTU-GLU) compute-bound on an
-        # H200. Every divisor here is 1 + exp(...) >= 1, so the full-range scaling div.full
-        # pays for never applies (rcp of b > 2**126 flushes to 0, where a / b is below 1e-38).
+    ``FAST_DIV``: ``a * rcp.approx(b)``, one special-function reciprocal (within 1 ulp) and a
+    multiply, within 1.5 ulp of ``a / b``. Otherwise ``tl.math.fdiv``, the full-range
+    div.full.f32 (within 2 ulp). Triton's ``/`` and ``tl.sigmoid`` emit IEEE division, a
+    multi-instruction sequence per element that made SiTU-GLU compute-bound on an H200. The
+    launch plan picks ``FAST_DIV`` for 16-bit inputs, where it measured faster (SiTU-GLU(4,25)
+    bf16 forward 1.61x -> 1.47x the copy floor); fp32 inputs keep div.full, which measured
+    faster there (1.04x against 1.17x). With b > 2**126 the reciprocal flushes to 0, where
+    a / b would be below 1e-38.
+    """
+    if FAST_DIV:
         r = tl.inline_asm_elementwise(
             "rcp.approx.ftz.f32 $0, $1;", "=r,r", [b], dtype=tl.float32, is_pure=True, pack=1
         )
         return a * r
+    else:
+        return tl.math.fdiv(a, b)
 
 
 @triton.jit
-def _sigmoid(x):
+def _sigmoid(x, FAST_DIV: tl.constexpr):
     # 1 / (1 + exp(-x)); exp(-x) overflows to inf for x < -88, giving 0, and NaN stays NaN.
-    return _div(1.0, 1.0 + tl.exp(-x))
+    return _div(1.0, 1.0 + tl.exp(-x), FAST_DIV)
 
 
 @triton.jit
-def _tanh(x):
+def _tanh(x, FAST_DIV: tl.constexpr):
     # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
     # tanh has no interpreter implementation). (1 - e) / (1 + e) with e = exp(-2|x|) cancels for
     # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
     ax = tl.abs(x)
     e = tl.exp(-2.0 * ax)
-    t = _div(1.0 - e, 1.0 + e)
+    t = _div(1.0 - e, 1.0 + e, FAST_DIV)
     x2 = x * x
     small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     # NaN fails both comparisons and falls through to t, which is NaN.
@@ -98,14 +102,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _base_and_grad(x, KIND: tl.constexpr):
+def _base_and_grad(x, KIND: tl.constexpr, FAST_DIV: tl.constexpr):
     """``act(x)`` and ``act'(x)`` for the base activation ``KIND``."""
     if KIND == "silu":
-        s = _sigmoid(x)
+        s = _sigmoid(x, FAST_DIV)
         y = x * s
         d = s * (1.0 + x * (1.0 - s))
     elif KIND == "quick_gelu":
-        s = _sigmoid(x * _QUICK_GELU_ALPHA)
+        s = _sigmoid(x * _QUICK_GELU_ALPHA, FAST_DIV)
         y = x * s
         d = s * (1.0 + x * _QUICK_GELU_ALPHA * (1.0 - s))
     elif KIND == "gelu":
@@ -119,7 +123,7 @@ def _base_and_grad(x, KIND: tl.constexpr):
         # same exp(-|2z|), which never overflows, so 1 - s is accurate for x >> 0 as well.
         z2 = (x + x * x * x * _GELU_TANH_COEF) * (2.0 * _SQRT_2_OVER_PI)
         e = tl.exp(-tl.abs(z2))
-        hi = _div(1.0, 1.0 + e)  # sigmoid(|2z|)
+        hi = _div(1.0, 1.0 + e, FAST_DIV)  # sigmoid(|2z|)
         lo = e * hi  # sigmoid(-|2z|) == 1 - sigmoid(|2z|)
         s = tl.where(z2 < 0.0, lo, hi)  # NaN selects hi, which is NaN
         one_minus_s = tl.where(z2 < 0.0, hi, lo)
@@ -147,6 +151,7 @@ def _glu_terms(
     CLAMP: tl.constexpr,
     GATE_TANH: tl.constexpr,
     LINEAR_TANH: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     """Activation ``a``, linear factor ``L`` (offset added) and their local derivatives with the
     clamp masks folded in (``da/dgate``, ``dL/dlinear``)."""
@@ -160,15 +165,15 @@ def _glu_terms(
         s_g = tl.load(params_ptr + 1)
         # One scalar reciprocal per program instead of a division per element: the special-
         # function unit, not memory, bounds SiTU-GLU on an H200, and every division costs one.
-        t = _tanh(gate * (1.0 / s_g))
-        sig = _sigmoid(gate)
+        t = _tanh(gate * (1.0 / s_g), FAST_DIV)
+        sig = _sigmoid(gate, FAST_DIV)
         act = s_g * t * sig
         d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
     else:
-        act, d_act = _base_and_grad(gate, KIND)
+        act, d_act = _base_and_grad(gate, KIND, FAST_DIV)
     if LINEAR_TANH:
         s_l = tl.load(params_ptr + 2)
-        t_l = _tanh(lin * (1.0 / s_l))
+        t_l = _tanh(lin * (1.0 / s_l), FAST_DIV)
         lin = s_l * t_l
         d_lin = 1.0 - t_l * t_l
     else:
@@ -181,15 +186,17 @@ def _glu_terms(
 
 
 @triton.jit
-def _unary_terms(h, params_ptr, KIND: tl.constexpr, SOFT_CLAMP: tl.constexpr):
+def _unary_terms(
+    h, params_ptr, KIND: tl.constexpr, SOFT_CLAMP: tl.constexpr, FAST_DIV: tl.constexpr
+):
     """Value and derivative of a non-gated activation (``s * tanh(h / s)`` applied first)."""
     if SOFT_CLAMP:
         s = tl.load(params_ptr + 1)
-        t = _tanh(h * (1.0 / s))
-        y, d = _base_and_grad(s * t, KIND)
+        t = _tanh(h * (1.0 / s), FAST_DIV)
+        y, d = _base_and_grad(s * t, KIND, FAST_DIV)
         d = d * (1.0 - t * t)
     else:
-        y, d = _base_and_grad(h, KIND)
+        y, d = _base_and_grad(h, KIND, FAST_DIV)
     return y, d
 
 
@@ -223,6 +230,7 @@ def _activation_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -241,13 +249,15 @@ def _activation_fwd_kernel(
         if HAS_BIAS:
             gate += tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             lin += tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        act, lin, _, _ = _glu_terms(gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH)
+        act, lin, _, _ = _glu_terms(
+            gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH, FAST_DIV
+        )
         y = act * lin
     else:
         h = tl.load(x_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y, _ = _unary_terms(h, params_ptr, KIND, GATE_TANH)
+        y, _ = _unary_terms(h, params_ptr, KIND, GATE_TANH, FAST_DIV)
     if HAS_PROBS:
         y = y * tl.load(probs_ptr + row, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     out = out_ptr + row64 * F + cols[None, :]
@@ -268,6 +278,7 @@ def _unary_fwd_flat_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     WIDE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # A non-gated activation is elementwise over the contiguous [rows, F] input, which is the
@@ -280,7 +291,7 @@ def _unary_fwd_flat_kernel(
     h = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(bias_ptr + offs % F, mask=ok, other=0.0).to(tl.float32)
-    y, _ = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP)
+    y, _ = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP, FAST_DIV)
     if HAS_PROBS:
         y = y * tl.load(probs_ptr + offs // F, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
@@ -296,6 +307,7 @@ def _unary_bwd_flat_kernel(
     KIND: tl.constexpr,
     SOFT_CLAMP: tl.constexpr,
     WIDE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # The non-gated backward without bias or probabilities has no reduction: dx = grad * act'(x)
@@ -305,7 +317,7 @@ def _unary_bwd_flat_kernel(
     ok = offs < n
     h = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    _, d = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP)
+    _, d = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP, FAST_DIV)
     tl.store(dx_ptr + offs, (g * d).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -330,6 +342,7 @@ def _activation_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -370,7 +383,7 @@ def _activation_bwd_kernel(
                 gate += bias_g
                 lin += bias_l
             act, lin, d_act, d_lin = _glu_terms(
-                gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH
+                gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH, FAST_DIV
             )
             d_gate = g_scaled * lin * d_act
             d_linear = g_scaled * act * d_lin
@@ -386,7 +399,7 @@ def _activation_bwd_kernel(
             h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 h += bias_g
-            y, d = _unary_terms(h, params_ptr, KIND, GATE_TANH)
+            y, d = _unary_terms(h, params_ptr, KIND, GATE_TANH, FAST_DIV)
             d_h = g_scaled * d
             tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
@@ -411,13 +424,12 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
-# Widest column blocks. GLU forwards stream blocks of up to 4 KB per row and input half: 2048
-# columns in bf16 / fp16, 1024 in fp32. In bf16 every GLU kind's raw forward measured 1.04-1.06x
-# the copy floor at 1024 columns and 1.01-1.04x at 2048 (H200, [16384, 16384], candidates timed
-# in turns; docs/performance.md, run 9); in fp32, 2048 columns took SiTU-GLU(4,25) from 1.04x to
-# 1.17x (run 10: twice the values live per thread). The backward gained at most 0.02 from
-# wider rows and SiTU-GLU's lost 0.09, so it stays at 1024 columns for every dtype.
-_FWD_MAX_BLOCK_BYTES = 4096
+# Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
+# every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
+# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 12),
+# fp32 SwiGLU(clamp=7) 1.03x and 1.01x. The backward gained at most 0.02 from wider rows and
+# SiTU-GLU's lost 0.09-0.17, so it stays at 1024.
+_FWD_MAX_BLOCK_N = 2048
 _BWD_MAX_BLOCK_N = 1024
 # Non-gated forwards, and non-gated backwards without bias or probabilities (no reduction),
 # stream flat blocks (_unary_fwd_flat_kernel, _unary_bwd_flat_kernel) when _FLAT_UNARY is set;
@@ -459,12 +471,19 @@ def _block_n(F: int, max_block_n: int) -> int:
     return min(sizes, key=lambda b: (waste[b], -b))
 
 
+def _fast_div(itemsize: int) -> bool:
+    # The hardware reciprocal for 16-bit inputs only (_div says why), where PTX exists.
+    return _HAS_PTX_RCP and itemsize <= 2
+
+
 @functools.cache
-def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int, dict, tuple]:
+def _plan(
+    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool
+) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
-    MoE experts make (the arguments after ``v`` and ``F`` are the module constants, so a changed
-    constant gets a fresh plan)."""
+    MoE experts make (the arguments after ``v`` and ``F`` are the module constants and the
+    division choice, so a changed constant gets a fresh plan)."""
     block_n = _block_n(F, max_block_n)
     block_m = max(1, tile // block_n)
     kwargs = dict(
@@ -476,6 +495,7 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
         HAS_BIAS=v.has_bias,
         HAS_PROBS=v.has_probs,
         INTERLEAVE=v.interleave or 0,
+        FAST_DIV=fast_div,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -486,16 +506,17 @@ def _plan(v, F: int, tile: int, warps: int, max_block_n: int) -> tuple[int, int,
 
 
 def _forward_plan(v, F, itemsize: int):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_BYTES // itemsize)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, _fast_div(itemsize))
 
 
-def _backward_plan(v, F):
+def _backward_plan(v, F, itemsize: int):
+    fast_div = _fast_div(itemsize)
     if v.has_probs or v.gated:
         # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
         # the copy floor on an H200 against 1.04x over one row (docs/performance.md), and GLUs
         # gain nothing from taller tiles.
-        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N)
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N)
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div)
 
 
 def _contiguous(*tensors):
@@ -596,7 +617,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
 
 
 @functools.cache
-def _flat_plan(v, kernel, block: int, warps: int, wide: bool) -> tuple:
+def _flat_plan(v, kernel, block: int, warps: int, wide: bool, fast_div: bool) -> tuple:
     """``(BLOCK, None, compile-time kwargs, their values in signature order)`` of a flat kernel."""
     values = dict(
         KIND=v.kind,
@@ -604,6 +625,7 @@ def _flat_plan(v, kernel, block: int, warps: int, wide: bool) -> tuple:
         HAS_BIAS=v.has_bias,
         HAS_PROBS=v.has_probs,
         WIDE=wide,
+        FAST_DIV=fast_div,
         BLOCK=block,
     )
     params = [name for name in kernel.arg_names if name in values]
@@ -611,17 +633,17 @@ def _flat_plan(v, kernel, block: int, warps: int, wide: bool) -> tuple:
     return block, None, kwargs, tuple(values[name] for name in params)
 
 
-def _flat_shape(v, kernel, n: int) -> tuple:
+def _flat_shape(v, kernel, n: int, itemsize: int) -> tuple:
     if v.gate_tanh:
         block, warps = _FLAT_BLOCK_SOFT_CLAMP, _FLAT_WARPS_SOFT_CLAMP
     else:
         block, warps = _FLAT_BLOCK, _FLAT_WARPS
     # int32 offsets unless the last block's offsets pass 2**31 (program_id * BLOCK is int32).
-    return _flat_plan(v, kernel, block, warps, n + block >= 2**31)
+    return _flat_plan(v, kernel, block, warps, n + block >= 2**31, _fast_div(itemsize))
 
 
 def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
-    plan = _flat_shape(v, _unary_fwd_flat_kernel, n)
+    plan = _flat_shape(v, _unary_fwd_flat_kernel, n, x.element_size())
     args = (x, bias, probs, params, out, n, F)
     key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:5]))
     key += (_int_key(n), _int_key(F))
@@ -643,14 +665,14 @@ def triton_backward(
         return dx, dbias, dprobs
     if not v.gated and not v.has_bias and not v.has_probs and _FLAT_UNARY:
         n = rows * F
-        plan = _flat_shape(v, _unary_bwd_flat_kernel, n)
+        plan = _flat_shape(v, _unary_bwd_flat_kernel, n, x.element_size())
         args = (grad, x, params, dx, n)
         key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:4]))
         key += (_int_key(n),)
         with _device_guard(x):
             _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
         return dx, None, None
-    plan = _backward_plan(v, F)
+    plan = _backward_plan(v, F, x.element_size())
     block_m, block_n = plan[0], plan[1]
     col_blocks = _cdiv(F, block_n)
     row_blocks = _cdiv(rows, block_m)
