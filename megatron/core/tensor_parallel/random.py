@@ -123,6 +123,8 @@ class CudaRNGStatesTracker:
                 "use_cudagraphable_rng / inference_rng_tracker are not supported by this fork; "
                 "leave them False."
             )
+        # Names of the forks being run, innermost last (see fork).
+        self._active: list[str] = []
         self.reset()
 
     def is_initialized(self) -> bool:
@@ -171,6 +173,9 @@ class CudaRNGStatesTracker:
         """Runs the body on stream ``name``, then restores the outer stream.
 
         The stream's state advances by what the body consumed, so the next fork continues it.
+        Forks nest: entering one stores how far the enclosing fork's stream has got, and leaving
+        one resumes the enclosing stream from its stored state, so a stream forked again inside
+        itself (A, then B, then A) continues where it was rather than replaying its numbers.
 
         Raises:
             Exception: ``name`` was never added (call ``model_parallel_cuda_manual_seed``).
@@ -178,12 +183,17 @@ class CudaRNGStatesTracker:
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
         outer_state = _get_rng_state()
+        if self._active:
+            self.states_[self._active[-1]] = outer_state
         _set_rng_state(self.states_[name])
+        self._active.append(name)
         try:
             yield
         finally:
             self.states_[name] = _get_rng_state()
-            _set_rng_state(outer_state)
+            self._active.pop()
+            # The enclosing stream may have advanced inside this fork (forked again within it).
+            _set_rng_state(self.states_[self._active[-1]] if self._active else outer_state)
 
 
 _CUDA_RNG_STATE_TRACKER: Optional[CudaRNGStatesTracker] = None

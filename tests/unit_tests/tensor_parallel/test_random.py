@@ -70,6 +70,42 @@ def test_fork_draws_from_its_stream_and_leaves_the_outer_one_untouched(tracker):
     assert not torch.equal(inside_first, before)
 
 
+def test_nested_forks_continue_each_stream(tracker):
+    # A inside B inside A: every stream's draws are its own sequence, in order, as if each draw
+    # had been made in a fork of its own; none is replayed.
+    tracker.add("other", 12)
+    _default_seed(5)
+    expected_outer = torch.cat([_draw(), _draw()])
+    _default_seed(5)
+    outer, stream, other = [_draw()], [], []
+    with tracker.fork("stream"):
+        stream.append(_draw())
+        with tracker.fork("other"):
+            other.append(_draw())
+            with tracker.fork("stream"):
+                stream.append(_draw())
+            other.append(_draw())
+        stream.append(_draw())
+    outer.append(_draw())
+    with tracker.fork("stream"):
+        stream.append(_draw())
+
+    torch.testing.assert_close(torch.cat(stream), _stream(11, draws=4), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(other), _stream(12, draws=2), rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(outer), expected_outer, rtol=0, atol=0)
+
+
+def test_nested_fork_error_resumes_the_enclosing_stream(tracker):
+    with tracker.fork("stream"):
+        first = _draw()
+        with pytest.raises(ZeroDivisionError):
+            with tracker.fork("stream"):
+                second = _draw()
+                1 / 0  # noqa: B018
+        third = _draw()
+    torch.testing.assert_close(torch.cat([first, second, third]), _stream(11, 3), rtol=0, atol=0)
+
+
 def test_fork_restores_the_outer_state_on_error(tracker):
     _default_seed(5)
     expected = _draw()
