@@ -405,7 +405,8 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
     Raises:
         ImportError: Transformer Engine is unavailable.
         RuntimeError: Transformer Engine is older than 1.9.0.dev0; or, when loading a state dict,
-            a grouped tensor cannot be split into ``num_gemms`` GEMMs.
+            a grouped tensor cannot be split into ``num_gemms`` GEMMs, or per-GEMM tensors of
+            different shapes would be grouped.
         ValueError: ``is_expert`` is False.
     """
 
@@ -482,7 +483,8 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
                 pre-hook signature of ``torch.nn.Module.load_state_dict``.
 
         Raises:
-            RuntimeError: A grouped tensor cannot be split into ``num_gemms`` GEMMs.
+            RuntimeError: A grouped tensor cannot be split into ``num_gemms`` GEMMs, or per-GEMM
+                tensors of different shapes would be stacked into one.
         """
         del local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         self._remap_grouped_parameter(
@@ -504,6 +506,15 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
         if single_grouped:
             if grouped_key in state_dict or not all(present):
                 return
+            shapes = {key: tuple(state_dict[key].shape) for key in indexed_keys}
+            if len(set(shapes.values())) > 1:
+                listed = ", ".join(f"{key} {shape}" for key, shape in shapes.items())
+                raise RuntimeError(
+                    f"Cannot group the per-GEMM checkpoint tensors {listed} into {grouped_key}: "
+                    "every GEMM of one grouped linear has the same shape. The checkpoint comes "
+                    "from another model shape (e.g. ffn_hidden_size / moe_ffn_hidden_size or the "
+                    "tensor-parallel size); load it into a model of that shape."
+                )
             state_dict[grouped_key] = torch.stack([state_dict.pop(key) for key in indexed_keys])
         else:
             if any(present) or grouped_key not in state_dict:

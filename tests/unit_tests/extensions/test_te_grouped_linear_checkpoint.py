@@ -239,6 +239,17 @@ def test_ungroupable_leading_dim_is_refused(linears):
         layer["fc1"]._split_grouped_checkpoint_tensor(torch.tensor(1.0), "weight")
 
 
+def test_per_gemm_tensors_of_different_shapes_are_refused_by_name(linears):
+    layer = build(linears, False, (True, False))
+    state = {f"fc1.weight{i}": torch.zeros(FFN, HIDDEN) for i in range(NUM_GEMMS)}
+    state["fc1.weight1"] = torch.zeros(FFN + 2, HIDDEN)
+    with pytest.raises(RuntimeError) as info:
+        layer.load_state_dict(state, strict=False)
+    message = str(info.value)
+    assert "fc1.weight1 (8, 8)" in message and "fc1.weight0 (6, 8)" in message
+    assert "into fc1.weight" in message and "ffn_hidden_size" in message  # what to do instead
+
+
 def test_quantized_grouped_tensor_splits_into_its_members(linears):
     layer = build(linears, False, (False, False))["fc1"]
     members = [torch.full((FFN, HIDDEN), float(i)) for i in range(NUM_GEMMS)]
