@@ -169,8 +169,9 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable], *args, **kwa
     try:
         return module(*args, **spec_kwargs, **kwargs)
     except Exception as error:
-        # The traceback of a failed build points into the module; name the spec's target so a
-        # failure deep inside a model build can be traced back to the spec that caused it.
-        if hasattr(error, "add_note"):
-            error.add_note(f"raised while building {getattr(module, '__qualname__', module)!r}")
+        # The traceback of a failed build points into the module; a note names the spec's target
+        # (in newer upstream's wording), so a failure deep inside a model build can be traced
+        # back through every level of specs. The exception itself, its type, attributes and
+        # cause, is re-raised unchanged.
+        error.add_note(f"when instantiating {getattr(module, '__name__', module)}")
         raise

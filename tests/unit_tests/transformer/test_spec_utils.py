@@ -103,8 +103,25 @@ def test_build_module_refuses_an_argument_set_twice():
 def test_build_errors_name_the_module():
     with pytest.raises(TypeError) as info:
         build_module(ModuleSpec(module=_Block), 1, 2, 3)
-    if hasattr(info.value, "__notes__"):
-        assert "_Block" in info.value.__notes__[0]
+    assert info.value.__notes__ == ["when instantiating _Block"]
+
+
+def test_nested_build_errors_name_every_level_and_keep_the_exception():
+    root = KeyError("missing width")
+
+    class Leaf:
+        def __init__(self):
+            raise LookupError("leaf failed") from root
+
+    class Trunk:
+        def __init__(self):
+            build_module(ModuleSpec(module=Leaf))
+
+    with pytest.raises(LookupError) as info:
+        build_module(Trunk)
+    # The leaf's own exception object, its cause intact, annotated innermost first.
+    assert str(info.value) == "leaf failed" and info.value.__cause__ is root
+    assert info.value.__notes__ == ["when instantiating Leaf", "when instantiating Trunk"]
 
 
 def test_identity_ops():
