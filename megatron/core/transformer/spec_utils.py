@@ -172,6 +172,7 @@ def build_module(spec_or_module: Union[ModuleSpec, type, Callable], *args, **kwa
         # The traceback of a failed build points into the module; a note names the spec's target
         # (in newer upstream's wording), so a failure deep inside a model build can be traced
         # back through every level of specs. The exception itself, its type, attributes and
-        # cause, is re-raised unchanged.
-        error.add_note(f"when instantiating {getattr(module, '__name__', module)}")
+        # cause, is re-raised unchanged. (Exception notes arrived in Python 3.11.)
+        if hasattr(error, "add_note"):
+            error.add_note(f"when instantiating {getattr(module, '__name__', module)}")
         raise
