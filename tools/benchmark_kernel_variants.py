@@ -207,6 +207,9 @@ FWD_CONFIGS = [
     (16384, 16, 4096),
 ]
 BWD_CONFIGS = [
+    # One row per program at widths whose column block is 512 (e.g. --ffn 1536, where the
+    # weighted backward's 1024-element tile holds two rows, the shape measured slow with probs).
+    (512, 4, 1024),
     (1024, 4, 1024),
     (2048, 4, 1024),
     (2048, 8, 1024),
