@@ -512,9 +512,12 @@ def _forward_plan(v, F, itemsize: int):
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if v.has_probs or v.gated:
-        # One row per block: the per-row probability reduction over a two-row tile ran at 1.6x
-        # the copy floor on an H200 against 1.04x over one row (docs/performance.md), and GLUs
-        # gain nothing from taller tiles.
+        # A 1024-element tile: one row where the column block is 1024 wide. The per-row
+        # probability reduction over a two-row tile of 1024 columns ran at 1.6x the copy floor
+        # on an H200 against 1.04x over one row (docs/performance.md), and GLUs gain nothing
+        # from taller tiles. Widths whose block is narrower (512 at F = 1536) still get two or
+        # more rows per tile; whether that costs the weighted backward the same is not measured
+        # yet (the tile experiment's 512/4/1024 configuration is one row of 512).
         return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div)
     return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div)
 
