@@ -8,6 +8,7 @@ TE is read from the import seam (``mcore_activations.te_import``) at call time.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -195,6 +196,30 @@ class TEFusedOpsMixin:
         op.weight = weight
         return op
 
+    @staticmethod
+    def _userbuffers_options(module) -> Optional[dict]:
+        """``{"comm_name": ub_name}`` when ``module`` overlaps its communication through TE's
+        Userbuffers (``config.tp_comm_overlap`` and a buffer name), as the module itself would;
+        None otherwise.
+
+        Raises:
+            RuntimeError: The overlap is configured but this TE's ``ops.BasicLinear`` cannot
+                take it (it would silently run without the overlap).
+        """
+        config = getattr(module, "config", None)
+        ub_name = getattr(module, "ub_name", None)
+        if not (getattr(config, "tp_comm_overlap", False) and ub_name is not None):
+            return None
+        accepted = inspect.signature(te_import.te.pytorch.ops.BasicLinear.__init__).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+        if "userbuffers_options" not in accepted and not takes_any:
+            raise RuntimeError(
+                f"tp_comm_overlap=True: this Transformer Engine ({te_import.te_version()}) has no "
+                "userbuffers_options on ops.BasicLinear, so the fused TE ops would run without "
+                "the Userbuffers overlap. Upgrade Transformer Engine or set tp_comm_overlap=False."
+            )
+        return {"comm_name": ub_name}
+
     def _make_te_ops_basic_linear_from_mcore_te_linear(
         self,
         module,
@@ -209,7 +234,8 @@ class TEFusedOpsMixin:
         """A ``BasicLinear`` op aliasing ``module.weight``.
 
         ``BasicLinear`` takes global feature counts: the split side is multiplied back by the
-        tensor-parallel size.
+        tensor-parallel size. A linear that overlaps its communication through Userbuffers
+        passes its buffer name on (``_userbuffers_options``).
         """
         self._require_attrs(module, module_name, ("weight",))
         weight = module.weight
@@ -220,6 +246,8 @@ class TEFusedOpsMixin:
             output_features = local_out * (tp_size if tensor_parallel_mode == "column" else 1)
         if sequence_parallel is None:
             sequence_parallel = bool(getattr(module, "sequence_parallel", False))
+        userbuffers = self._userbuffers_options(module)
+        extra = {} if userbuffers is None else {"userbuffers_options": userbuffers}
         op = te_import.te.pytorch.ops.BasicLinear(
             in_features,
             output_features,
@@ -230,6 +258,7 @@ class TEFusedOpsMixin:
             sequence_parallel=bool(sequence_parallel) and tensor_parallel_mode is not None,
             rng_state_tracker_function=rng_state_tracker_function,
             accumulate_into_main_grad=bool(getattr(module, "fuse_wgrad_accumulation", False)),
+            **extra,
         )
         op.weight = weight
         return op
@@ -282,7 +311,8 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
 
     Raises:
         ImportError: Transformer Engine is unavailable.
-        RuntimeError: Transformer Engine is older than 1.13.
+        RuntimeError: Transformer Engine is older than 1.13, or a linear overlaps its
+            communication through Userbuffers (``tp_comm_overlap``) and this TE's ops cannot.
         UnsupportedActivationError: TE cannot compute the configured activation
             (:class:`TEVersionError`, also a RuntimeError, when only the TE version is at fault).
         ValueError: fc1 or fc2 is not one of the TE linear wrappers above.
@@ -340,6 +370,8 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
                 f"{type(self).__name__} needs linear_fc2 to be a TERowParallelLinear, got "
                 f"{type(fc2).__name__}."
             )
+        for linear in (fc1, fc2):
+            self._userbuffers_options(linear)  # a configured overlap this TE cannot run
 
     def _make_fused_impl(self):
         self._check_fused_linears()

@@ -115,7 +115,9 @@ def load_te_linears(monkeypatch, grouped_linear=FakeGroupedLinear):
 
 
 @pytest.fixture
-def linears(monkeypatch):
+def linears(monkeypatch, single_rank_model_parallel):
+    # The expert groups exist for the test's duration, whatever earlier tests left behind (an
+    # initialized default process group without model-parallel groups makes the getters raise).
     return load_te_linears(monkeypatch)
 
 
@@ -204,7 +206,7 @@ def test_layout_follows_the_config(linears):
     assert grouped["fc1"].weight.shape == (NUM_GEMMS, FFN, HIDDEN)
 
 
-def test_older_te_gets_no_single_grouped_keywords(monkeypatch):
+def test_older_te_gets_no_single_grouped_keywords(monkeypatch, single_rank_model_parallel):
     # The config asks for the grouped layout, but this TE's constructor cannot take it.
     linears = load_te_linears(monkeypatch, OlderFakeGroupedLinear)
     layer = build(linears, True, (True, True))

@@ -328,6 +328,36 @@ def test_te_fused_mlp_tensor_parallel_chain(fake_te, monkeypatch, sequence_paral
 # ---------------------------------------------------------------------------------- hooks
 
 
+def test_userbuffers_overlap_is_passed_to_the_ops(fake_te):
+    # A TE linear built with tp_comm_overlap carries its buffer name (ub_name); the fused ops
+    # must overlap the same way rather than silently run without it.
+    fused = build(te_ext.TEFusedMLP, make_config("swiglu"))
+    fused.linear_fc1.config = SimpleNamespace(tp_comm_overlap=True)
+    fused.linear_fc1.ub_name = "fc1"
+    fused.linear_fc2.config = SimpleNamespace(tp_comm_overlap=True)
+    fused.linear_fc2.ub_name = None  # no buffer for this one: nothing to pass
+    chain = fused._get_fused_impl()
+    fc1, fc2 = [op for op in chain.ops if op.name == "BasicLinear"]
+    assert fc1.kwargs["userbuffers_options"] == {"comm_name": "fc1"}
+    assert "userbuffers_options" not in fc2.kwargs
+
+
+def test_userbuffers_overlap_on_a_te_without_the_option_is_refused(fake_te, monkeypatch):
+    # A TE whose ops.BasicLinear predates the keyword; the check runs at construction
+    # (TEFusedMLP.__init__ calls _check_fused_linears), here after setting the overlap.
+    def older_init(self, in_features, out_features, *, device=None, dtype=None):
+        pass
+
+    monkeypatch.setattr(
+        fake_te.pytorch.ops, "BasicLinear", type("BasicLinear", (), {"__init__": older_init})
+    )
+    fused = build(te_ext.TEFusedMLP, make_config("swiglu"))
+    fused.linear_fc1.config = SimpleNamespace(tp_comm_overlap=True)
+    fused.linear_fc1.ub_name = "fc1"
+    with pytest.raises(RuntimeError, match="tp_comm_overlap=True.*userbuffers_options"):
+        fused._check_fused_linears()
+
+
 def test_forward_pre_hooks_of_submodules_are_replayed(fake_te):
     fused = build(te_ext.TEFusedMLP, make_config("swiglu"))
     calls = []
