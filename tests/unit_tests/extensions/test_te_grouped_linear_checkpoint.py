@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import megatron.core.extensions.te_linears as te_linears
 from mcore_activations import te_import
 from megatron.core.transformer.transformer_config import TransformerConfig
+from tests.unit_tests.test_utilities import Utils
 
 NUM_GEMMS, HIDDEN, FFN = 3, 8, 6
 # (single_grouped_weight, single_grouped_bias) of a module.
@@ -114,10 +115,18 @@ def load_te_linears(monkeypatch, grouped_linear=FakeGroupedLinear):
     return module
 
 
+@pytest.fixture(scope="module", autouse=True)
+def model_parallel():
+    # One-rank groups for the whole module, whatever earlier tests left behind (an initialized
+    # default process group without model-parallel groups makes the group getters raise). Once
+    # per module, not per test: every set-up creates gloo groups whose threads outlive it.
+    Utils.initialize_model_parallel(1, 1)
+    yield
+    Utils.destroy_model_parallel()
+
+
 @pytest.fixture
-def linears(monkeypatch, single_rank_model_parallel):
-    # The expert groups exist for the test's duration, whatever earlier tests left behind (an
-    # initialized default process group without model-parallel groups makes the getters raise).
+def linears(monkeypatch):
     return load_te_linears(monkeypatch)
 
 
@@ -206,7 +215,7 @@ def test_layout_follows_the_config(linears):
     assert grouped["fc1"].weight.shape == (NUM_GEMMS, FFN, HIDDEN)
 
 
-def test_older_te_gets_no_single_grouped_keywords(monkeypatch, single_rank_model_parallel):
+def test_older_te_gets_no_single_grouped_keywords(monkeypatch):
     # The config asks for the grouped layout, but this TE's constructor cannot take it.
     linears = load_te_linears(monkeypatch, OlderFakeGroupedLinear)
     layer = build(linears, True, (True, True))
