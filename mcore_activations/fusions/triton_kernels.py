@@ -426,7 +426,7 @@ _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
-# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 12),
+# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
 # fp32 SwiGLU(clamp=7) 1.03x and 1.01x. The backward gained at most 0.02 from wider rows and
 # SiTU-GLU's lost 0.09-0.17, so it stays at 1024.
 _FWD_MAX_BLOCK_N = 2048
