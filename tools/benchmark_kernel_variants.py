@@ -31,6 +31,10 @@ may contract multiply-adds differently from eager) before it is timed.
   turns within one repeat (``time_interleaved``), so the kinds and the columns compare like with
   like, and the division each runs (the hardware reciprocal or div.full; the measurement behind
   ``_FWD_MAX_BLOCK_N`` and ``triton_kernels._fast_div``).
+- ``reduce``: the GLU backward's one-row plan (tile elements, warps) with and without
+  probabilities, in turns: the probability gradient is a per-row sum with a barrier in every
+  program, so its best shape can differ from the unweighted one.
+- ``fp32``: float32 forward launch shapes next to torch.compile and TE, in turns.
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -409,6 +413,90 @@ def _result(tk, constants, fn):
     return out[0]
 
 
+REDUCE_SPECS = ("SwiGLU(clamp=7)", "SwiGLU")
+# (tile elements, warps) of the backward's one-row plan (gated or weighted), widest block 1024.
+REDUCE_CONFIGS = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 4)]
+
+
+def bench_reduce(spec, rows, ffn, dtype):
+    """The backward's row plan with and without probabilities, every candidate in turns.
+
+    With probabilities the backward also reduces each row's ``grad * act`` to one value, a
+    cross-warp sum with a barrier in every program; the candidates vary the rows and warps per
+    program. Each is checked against the current plan's result first (to rounding: the sum's
+    order follows the tile).
+    """
+    from mcore_activations.fusions import triton_kernels as tk
+
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    probs = torch.rand(rows, 1, device="cuda")
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    row = {}
+    for weighted in (False, True):
+        variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+        p = probs if weighted else None
+
+        def backward(variant=variant, p=p):
+            return tk.triton_backward(variant, grad, x, None, p, params)
+
+        reference = backward()
+        # The weighted backward also reads probs and writes its gradient (4 bytes per row each).
+        extra = 8 * rows if weighted else 0
+        group = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize + extra)}
+        for tile, warps in REDUCE_CONFIGS:
+            constants = {"_BWD_TILE_ROW": tile, "_BWD_WARPS_ROW": warps}
+            label = f"{'probs ' if weighted else ''}bwd {tile}/{warps}"
+            out = _result(tk, constants, backward)
+            check_formulation(label, out[0], reference[0])
+            if weighted:
+                # A float32 sum of ffn products in another order: rounding well above 2 ulp.
+                scale = reference[2].abs().max().item()
+                torch.testing.assert_close(out[2], reference[2], rtol=1e-4, atol=1e-4 * scale)
+            group[label] = _with_constants(tk, constants, backward)
+        with torch.no_grad():
+            times = time_interleaved(group)
+        floor = times.pop("floor")
+        row |= {label: t / floor for label, t in times.items()}
+    return row
+
+
+# (tile elements, warps, widest column block) of the forward plan, for the float32 rows.
+FP32_FWD_CONFIGS = [(4096, 8, 2048), (2048, 4, 2048), (2048, 8, 2048), (4096, 4, 2048)]
+FP32_FWD_CONFIGS += [(8192, 8, 2048), (2048, 4, 1024), (4096, 8, 1024), (1024, 4, 1024)]
+
+
+def bench_fp32(spec, rows, ffn):
+    """Float32 forward launch shapes next to torch.compile and TE, all in turns."""
+    from mcore_activations.fusions import triton_kernels as tk
+    from tools.benchmark_activations import compile_candidate
+
+    dtype = torch.float32
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+
+    def forward():
+        return tk.triton_forward(variant, x, None, None, params)
+
+    reference = forward()
+    group = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
+    for tile, warps, max_n in FP32_FWD_CONFIGS:
+        constants = {"_FWD_TILE": tile, "_FWD_WARPS": warps, "_FWD_MAX_BLOCK_N": max_n}
+        label = f"fwd {tile}/{warps}/{max_n}"
+        check_formulation(label, _result(tk, constants, forward), reference)
+        group[label] = _with_constants(tk, constants, forward)
+    compiled = compile_candidate(spec, False)
+    group["torch.compile"] = lambda: compiled(x, None)
+    te = te_candidate(spec, False)
+    if te is not None:
+        group["TE"] = lambda: te(x, None)
+    with torch.no_grad():
+        times = time_interleaved(group)
+    floor = times.pop("floor")
+    return {label: t / floor for label, t in times.items()}
+
+
 PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
@@ -568,7 +656,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = ["compile", "layout", "tiles", "flat", "glu", "path", "host", "all"]
+    experiments = ["compile", "layout", "tiles", "flat", "glu", "reduce", "fp32", "path", "host"]
+    experiments.append("all")
     parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -604,6 +693,14 @@ def main(argv=None):
             n: bench_glu(s, args.rows, args.ffn, d) for n, (s, d) in GLU_CASES.items()
         }
         _print_table("GLU kinds: widest column block, compile and TE, in turns", results["glu"])
+    if args.experiment in ("reduce", "all"):
+        results["reduce"] = {
+            n: bench_reduce(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
+        }
+        _print_table("GLU backward row plans, with and without probs, in turns", results["reduce"])
+    if args.experiment in ("fp32", "all"):
+        results["fp32"] = {n: bench_fp32(SPECS[n], args.rows, args.ffn) for n in REDUCE_SPECS}
+        _print_table("float32 forward launch shapes, compile and TE, in turns", results["fp32"])
     if args.experiment in ("path", "all"):
         results["path"] = {
             n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
