@@ -444,9 +444,19 @@ def bench_reduce(spec, rows, ffn, dtype):
         # The weighted backward also reads probs and writes its gradient (4 bytes per row each).
         extra = 8 * rows if weighted else 0
         group = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize + extra)}
-        for tile, warps in REDUCE_CONFIGS:
-            constants = {"_BWD_TILE_ROW": tile, "_BWD_WARPS_ROW": warps}
-            label = f"{'probs ' if weighted else ''}bwd {tile}/{warps}"
+        candidates = [
+            ({"_BWD_TILE_ROW": t, "_BWD_WARPS_ROW": w}, f"{t}/{w}") for t, w in REDUCE_CONFIGS
+        ]
+        if ffn <= 2048:
+            # The whole row in one masked power-of-two block (no partial sums to add up after),
+            # at the cost of idle lanes (a quarter of them at ffn 1536). Its own widest block
+            # keeps it apart from the other candidates in _plan's cache.
+            for warps in (4, 8):
+                whole = {"_BWD_TILE_ROW": 2048, "_BWD_WARPS_ROW": warps, "_BWD_MAX_BLOCK_N": 2048}
+                whole["_block_n"] = lambda F, max_block_n: min(_next_pow2(F), max_block_n)
+                candidates.append((whole, f"whole row/{warps}"))
+        for constants, name in candidates:
+            label = f"{'probs ' if weighted else ''}bwd {name}"
             out = _result(tk, constants, backward)
             check_formulation(label, out[0], reference[0])
             if weighted:
@@ -459,6 +469,10 @@ def bench_reduce(spec, rows, ffn, dtype):
         floor = times.pop("floor")
         row |= {label: t / floor for label, t in times.items()}
     return row
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 # (tile elements, warps, widest column block) of the forward plan, for the float32 rows.
