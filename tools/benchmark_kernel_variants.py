@@ -416,15 +416,18 @@ def _result(tk, constants, fn):
 REDUCE_SPECS = ("SwiGLU(clamp=7)", "SwiGLU")
 # (tile elements, warps) of the backward's one-row plan (gated or weighted), widest block 1024.
 REDUCE_CONFIGS = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 4)]
+# Columns per warp of the weighted backward's one-row plan (8 columns per thread at 256).
+PROBS_COLUMNS_PER_WARP = (128, 256, 512)
 
 
 def bench_reduce(spec, rows, ffn, dtype):
-    """The backward's row plan with and without probabilities, every candidate in turns.
+    """The GLU backward's row plans with and without probabilities, every candidate in turns.
 
     With probabilities the backward also reduces each row's ``grad * act`` to one value, a
-    cross-warp sum with a barrier in every program; the candidates vary the rows and warps per
-    program. Each is checked against the current plan's result first (to rounding: the sum's
-    order follows the tile).
+    cross-warp sum with a barrier in every program. Unweighted, the candidates vary the rows and
+    warps per program; weighted (one row per program), the warps per row. Each candidate is
+    checked against the current plan's result first (to rounding: the sum's order follows the
+    tile).
     """
     from mcore_activations.fusions import triton_kernels as tk
 
@@ -444,17 +447,16 @@ def bench_reduce(spec, rows, ffn, dtype):
         # The weighted backward also reads probs and writes its gradient (4 bytes per row each).
         extra = 8 * rows if weighted else 0
         group = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize + extra)}
-        candidates = [
-            ({"_BWD_TILE_ROW": t, "_BWD_WARPS_ROW": w}, f"{t}/{w}") for t, w in REDUCE_CONFIGS
-        ]
-        if ffn <= 2048:
-            # The whole row in one masked power-of-two block (no partial sums to add up after),
-            # at the cost of idle lanes (a quarter of them at ffn 1536). Its own widest block
-            # keeps it apart from the other candidates in _plan's cache.
-            for warps in (4, 8):
-                whole = {"_BWD_TILE_ROW": 2048, "_BWD_WARPS_ROW": warps, "_BWD_MAX_BLOCK_N": 2048}
-                whole["_block_n"] = lambda F, max_block_n: min(_next_pow2(F), max_block_n)
-                candidates.append((whole, f"whole row/{warps}"))
+        if weighted:
+            # One row per program (_probs_backward_plan); the candidates vary its warps.
+            candidates = [
+                ({"_BWD_PROBS_COLUMNS_PER_WARP": c}, f"1 row, {c} columns/warp")
+                for c in PROBS_COLUMNS_PER_WARP
+            ]
+        else:
+            candidates = [
+                ({"_BWD_TILE_ROW": t, "_BWD_WARPS_ROW": w}, f"{t}/{w}") for t, w in REDUCE_CONFIGS
+            ]
         for constants, name in candidates:
             label = f"{'probs ' if weighted else ''}bwd {name}"
             out = _result(tk, constants, backward)

@@ -423,7 +423,8 @@ def _activation_bwd_kernel(
 # runs, and the reductions' summation order (and so the gradients' bits) follows the tile shape.
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
-_BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated or weighted: one row of 1024 columns
+_BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 columns
+_BWD_PROBS_COLUMNS_PER_WARP = 256  # weighted: one row per program, 8 columns per thread
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
 # (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
@@ -511,15 +512,29 @@ def _forward_plan(v, F, itemsize: int):
 
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
-    if v.has_probs or v.gated:
-        # A 1024-element tile: one row where the column block is 1024 wide. The per-row
-        # probability reduction over a two-row tile of 1024 columns ran at 1.6x the copy floor
-        # on an H200 against 1.04x over one row (docs/performance.md), and GLUs gain nothing
-        # from taller tiles. Widths whose block is narrower (512 at F = 1536) still get two or
-        # more rows per tile; whether that costs the weighted backward the same is not measured
-        # yet (the tile experiment's 512/4/1024 configuration is one row of 512).
+    if v.has_probs:
+        return _probs_backward_plan(v, F, _BWD_MAX_BLOCK_N, _BWD_PROBS_COLUMNS_PER_WARP, fast_div)
+    if v.gated:
+        # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
+        # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
         return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div)
     return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div)
+
+
+@functools.cache
+def _probs_backward_plan(v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool):
+    """One row per program and eight columns per thread, for the backward with probabilities.
+
+    The probability gradient is a sum over each row, so every program ends in a cross-warp
+    reduction behind a barrier. Measured on an H200 (bf16 SwiGLU(clamp=7), raw backward / copy
+    floor, candidates in turns; docs/performance.md, run 15): at F = 1536 (512-column blocks) two
+    rows of 512 over 4 warps ran at 1.25, one row over 4 warps at 1.19, over 2 warps at 1.09 and
+    over 1 warp at 1.19; at F = 8192 (1024-column blocks) one row over 4 warps ran at 1.07, over 2
+    warps at 1.10. Both optima hold eight columns per thread.
+    """
+    block_n = _block_n(F, max_block_n)
+    warps = max(1, block_n // columns_per_warp)
+    return _plan(v, F, block_n, warps, max_block_n, fast_div)
 
 
 def _contiguous(*tensors):

@@ -69,10 +69,12 @@ def test_triton_kernels_every_dtype(dtype, device):
 
 
 @pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
 @pytest.mark.parametrize("name", ["swiglu_clamp", "squared_relu_tanh"])
-def test_triton_reductions_across_programs(name, device, monkeypatch):
+def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch):
     """Several column blocks (probs partials) and several row programs each looping over several
-    row blocks (bias partials): the paths a small test shape would otherwise never take."""
+    row blocks (bias partials): the paths a small test shape would otherwise never take. With
+    probabilities a block is one row (``_probs_backward_plan``); without, two."""
     from mcore_activations.fusions import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 4)  # 2 row programs per column block
@@ -80,7 +82,7 @@ def test_triton_reductions_across_programs(name, device, monkeypatch):
         monkeypatch.setattr(triton_kernels, constant, 256)
     with use_kernel_backend("triton"):
         check_against_reference(
-            SPECS[name], torch.float32, True, True, device=device, rows=19, ffn=300
+            SPECS[name], torch.float32, True, has_probs, device=device, rows=19, ffn=300
         )
 
 
