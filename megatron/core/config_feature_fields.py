@@ -49,6 +49,8 @@ FIELDS_READ_BY_FORK = frozenset(
         "recompute_modules",
         "offload_modules",
         "fine_grained_activation_offloading",
+        # Read by TENorm: with has_residual, it builds TEFusedResidualRMSNorm (as upstream).
+        "fused_residual_rmsnorm",
         # Weight rematerialisation: derived here as upstream derives it; the MLP refuses > 1.
         "tensor_parallel_num_weight_shards",
         "gtp_weight_remat_size",

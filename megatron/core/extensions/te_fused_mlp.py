@@ -8,9 +8,6 @@ TE is read from the import seam (``mcore_activations.te_import``) at call time.
 
 from __future__ import annotations
 
-import inspect
-import warnings
-from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -27,12 +24,12 @@ from mcore_activations.te_import import (
     require_te,
 )
 from mcore_activations.te_lowering import TEActivationLowering, plan_te_activation
+from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
 from megatron.core.extensions.te_linears import (
     TEColumnParallelLinear,
     TELayerNormColumnParallelLinear,
     TERowParallelLinear,
     _is_empty,
-    _rng_tracker_function,
 )
 from megatron.core.extensions.te_recipes import (
     TEFusedRecipeError,
@@ -43,256 +40,9 @@ from megatron.core.extensions.te_recipes import (
     resolve_fused_recipe,
 )
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.utils import get_pg_size
 
+# TEFusedOpsMixin lives in te_fused_ops (the fused norm uses it too); importable here as before.
 __all__ = ["TEFusedMLP", "TEFusedMLPWithGroupedLinear", "TEFusedOpsMixin"]
-
-
-def _is_ddp_hook(hook: Callable) -> bool:
-    # Megatron's DDP / distributed optimizer register forward pre-hooks that wait for parameter
-    # all-gathers; those are expected on fused modules and replayed without a warning.
-    func = getattr(hook, "func", hook)  # functools.partial
-    module = getattr(func, "__module__", "") or ""
-    return "distributed" in module
-
-
-class TEFusedOpsMixin:
-    """Runs a Megatron module through one ``te.pytorch.ops.Sequential`` built from its parts.
-
-    Put it before the concrete class (``class X(TEFusedOpsMixin, MLP)``). The subclass defines
-    :meth:`_make_fused_impl`; ops are built lazily on the first :meth:`_get_fused_impl` call and
-    alias the module's own parameters, so the module's ``state_dict`` and ``parameters()`` are
-    unchanged. The cache is a 1-tuple: an ``nn.Module`` stored in a tuple is not a submodule, so
-    the ops never appear in ``state_dict``, ``parameters`` or ``named_modules``.
-
-    The fused forward bypasses the submodules' ``forward``, so their forward hooks would not run.
-    When the ops are built, the submodules' forward pre-hooks are replayed (with empty args) before
-    each fused forward, and their forward post-hooks (captured at build time) after it, with a
-    warning. Backward hooks on submodules cannot be honoured and are refused.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fused_impl: Optional[tuple[Any]] = None
-
-    def _make_fused_impl(self):
-        """Builds the ``te.pytorch.ops.Sequential`` computing this module."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _make_fused_impl().")
-
-    def _get_fused_impl(self):
-        """The cached ops, built (and hooked) on first use."""
-        if self._fused_impl is None:
-            fused = self._make_fused_impl()
-            self._register_hooks_on_fused_impl(fused)
-            self._fused_impl = (fused,)
-        return self._fused_impl[0]
-
-    def _reset_fused_impl(self) -> None:
-        """Drops the cached ops (e.g. after replacing a parameter); the next call rebuilds them."""
-        self._fused_impl = None
-
-    def _register_hooks_on_fused_impl(self, fused, *, pre_hook_target=None) -> None:
-        """Makes ``fused`` run the submodules' hooks (see the class docstring).
-
-        Args:
-            fused: The ops; the replayed forward post-hooks run after it.
-            pre_hook_target: The module that runs first, when it is not ``fused`` (e.g. a norm
-                run separately); the replayed forward pre-hooks run before it.
-        """
-        descendants = [(name, m) for name, m in self.named_modules() if m is not self]
-        for name, module in descendants:
-            if module._backward_hooks or module._backward_pre_hooks:
-                raise RuntimeError(
-                    f"{type(self).__name__}: submodule {name!r} has backward hooks, which the "
-                    "fused Transformer Engine ops cannot run (they bypass the submodule)."
-                )
-        post_hooks = [
-            (name, module, hook)
-            for name, module in descendants
-            for hook in module._forward_hooks.values()
-        ]
-        if post_hooks:
-            warnings.warn(
-                f"{type(self).__name__}: forward hooks of {sorted({n for n, _, _ in post_hooks})} "
-                "run after the fused forward, with no arguments and no output (the fused ops "
-                "bypass those submodules).",
-                stacklevel=3,
-            )
-        warned: set = set()
-        owner = type(self).__name__
-
-        def replay_pre_hooks(_fused, _args):
-            # Read the hooks now, not at build time: DDP may install or remove them later.
-            for name, module in descendants:
-                for hook_id, hook in list(module._forward_pre_hooks.items()):
-                    if hook_id in module._forward_pre_hooks_with_kwargs:
-                        result = hook(module, (), {})
-                    else:
-                        result = hook(module, ())
-                    if result is not None:
-                        raise RuntimeError(
-                            f"{owner}: forward pre-hook {hook!r} of submodule {name!r} returned "
-                            "a value; the fused ops cannot pass modified inputs to a submodule."
-                        )
-                    if not _is_ddp_hook(hook) and (name, hook_id) not in warned:
-                        warned.add((name, hook_id))
-                        warnings.warn(
-                            f"{owner}: replaying forward pre-hook {hook!r} of submodule {name!r} "
-                            "with empty arguments before the fused forward.",
-                            stacklevel=2,
-                        )
-
-        def replay_post_hooks(_fused, _args, _output):
-            for _name, module, hook in post_hooks:
-                hook(module, (), None)
-
-        (pre_hook_target if pre_hook_target is not None else fused).register_forward_pre_hook(
-            replay_pre_hooks
-        )
-        if post_hooks:
-            fused.register_forward_hook(replay_post_hooks)
-
-    # -- helpers shared by the fused classes (here and in moe/) --------------------------------
-
-    def _get_te_ops_tensor_parallel_context(self) -> tuple[int, Any]:
-        """``(tp_size, tp_group or None)`` of this module (its own group, else fc1's)."""
-        group = getattr(self, "tp_group", None)
-        if group is None:
-            group = getattr(getattr(self, "linear_fc1", None), "tp_group", None)
-        size = get_pg_size(group)
-        return size, (group if size > 1 else None)
-
-    def _get_te_ops_rng_state_tracker_function(self) -> Optional[Callable]:
-        """The RNG tracker getter TE ops would fork for weight init, once it is seeded."""
-        return _rng_tracker_function()
-
-    @staticmethod
-    def _require_attrs(module, module_name: str, names) -> None:
-        missing = [n for n in names if not hasattr(module, n)]
-        if missing:
-            raise ValueError(
-                f"{module_name} ({type(module).__name__}) must be a Megatron Core Transformer "
-                f"Engine wrapper; it lacks {', '.join(missing)}."
-            )
-
-    def _make_te_ops_norm_from_mcore_te_layernorm_linear(self, module, module_name: str):
-        """A ``LayerNorm`` / ``RMSNorm`` op aliasing the norm parameters of a LayerNorm linear."""
-        self._require_attrs(module, module_name, ("layer_norm_weight", "normalization", "eps"))
-        weight = module.layer_norm_weight
-        kwargs = dict(
-            eps=module.eps,
-            device="meta",
-            dtype=weight.dtype,
-            zero_centered_gamma=bool(getattr(module, "zero_centered_gamma", False)),
-        )
-        ops = te_import.te.pytorch.ops
-        if module.normalization == "RMSNorm":
-            op = ops.RMSNorm(weight.size(0), **kwargs)
-        elif module.normalization == "LayerNorm":
-            op = ops.LayerNorm(weight.size(0), **kwargs)
-            op.bias = module.layer_norm_bias
-        else:
-            raise ValueError(f"{module_name}: unsupported normalization {module.normalization!r}.")
-        op.weight = weight
-        return op
-
-    @staticmethod
-    def _userbuffers_options(module) -> Optional[dict]:
-        """``{"comm_name": ub_name}`` when ``module`` overlaps its communication through TE's
-        Userbuffers (``config.tp_comm_overlap`` and a buffer name), as the module itself would;
-        None otherwise.
-
-        Raises:
-            RuntimeError: The overlap is configured but this TE's ``ops.BasicLinear`` cannot
-                take it (it would silently run without the overlap).
-        """
-        config = getattr(module, "config", None)
-        ub_name = getattr(module, "ub_name", None)
-        if not (getattr(config, "tp_comm_overlap", False) and ub_name is not None):
-            return None
-        accepted = inspect.signature(te_import.te.pytorch.ops.BasicLinear.__init__).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-        if "userbuffers_options" not in accepted and not takes_any:
-            raise RuntimeError(
-                f"tp_comm_overlap=True: this Transformer Engine ({te_import.te_version()}) has no "
-                "userbuffers_options on ops.BasicLinear, so the fused TE ops would run without "
-                "the Userbuffers overlap. Upgrade Transformer Engine or set tp_comm_overlap=False."
-            )
-        return {"comm_name": ub_name}
-
-    def _make_te_ops_basic_linear_from_mcore_te_linear(
-        self,
-        module,
-        *,
-        module_name: str,
-        output_features: Optional[int] = None,
-        tensor_parallel_mode: Optional[str] = None,
-        tensor_parallel_group=None,
-        sequence_parallel: Optional[bool] = None,
-        rng_state_tracker_function: Optional[Callable] = None,
-    ):
-        """A ``BasicLinear`` op aliasing ``module.weight``.
-
-        ``BasicLinear`` takes global feature counts: the split side is multiplied back by the
-        tensor-parallel size. A linear that overlaps its communication through Userbuffers
-        passes its buffer name on (``_userbuffers_options``).
-        """
-        self._require_attrs(module, module_name, ("weight",))
-        weight = module.weight
-        local_out, local_in = weight.shape
-        tp_size = get_pg_size(tensor_parallel_group) if tensor_parallel_mode else 1
-        in_features = local_in * (tp_size if tensor_parallel_mode == "row" else 1)
-        if output_features is None:
-            output_features = local_out * (tp_size if tensor_parallel_mode == "column" else 1)
-        if sequence_parallel is None:
-            sequence_parallel = bool(getattr(module, "sequence_parallel", False))
-        userbuffers = self._userbuffers_options(module)
-        extra = {} if userbuffers is None else {"userbuffers_options": userbuffers}
-        op = te_import.te.pytorch.ops.BasicLinear(
-            in_features,
-            output_features,
-            device="meta",
-            dtype=weight.dtype,
-            tensor_parallel_mode=tensor_parallel_mode,
-            tensor_parallel_group=tensor_parallel_group,
-            sequence_parallel=bool(sequence_parallel) and tensor_parallel_mode is not None,
-            rng_state_tracker_function=rng_state_tracker_function,
-            accumulate_into_main_grad=bool(getattr(module, "fuse_wgrad_accumulation", False)),
-            **extra,
-        )
-        op.weight = weight
-        return op
-
-    def _make_te_ops_grouped_linear_from_mcore_te_linear(
-        self, module, *, module_name: str, rng_state_tracker_function: Optional[Callable] = None
-    ):
-        """A one-group ``GroupedLinear`` op (no bias) aliasing ``module.weight`` as ``weight0``."""
-        self._require_attrs(module, module_name, ("weight",))
-        weight = module.weight
-        op = te_import.te.pytorch.ops.GroupedLinear(
-            1,
-            weight.size(1),
-            weight.size(0),
-            bias=False,
-            device="meta",
-            dtype=weight.dtype,
-            rng_state_tracker_function=rng_state_tracker_function,
-            accumulate_into_main_grad=bool(getattr(module, "fuse_wgrad_accumulation", False)),
-        )
-        op.weight0 = weight
-        return op
-
-    @staticmethod
-    def _make_te_ops_bias_from_tensor(bias: Optional[torch.Tensor]):
-        """A ``Bias`` op aliasing ``bias``, or None for a missing or empty bias."""
-        if _is_empty(bias):
-            return None
-        op = te_import.te.pytorch.ops.Bias(bias.numel(), device="meta", dtype=bias.dtype)
-        op.bias = bias
-        return op
-
-
-# --------------------------------------------------------------------------------- fused MLPs
 
 
 class TEFusedMLP(TEFusedOpsMixin, MLP):
@@ -388,6 +138,8 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
                 module_name="linear_fc1",
                 tensor_parallel_mode="column" if tp_size > 1 else None,
                 tensor_parallel_group=tp_group,
+                # Only meaningful with a split: one rank has no sequence to gather.
+                sequence_parallel=tp_size > 1 and bool(getattr(fc1, "sequence_parallel", False)),
                 rng_state_tracker_function=rng,
             )
         )

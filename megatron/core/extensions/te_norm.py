@@ -1,9 +1,12 @@
 """``TENorm``: Transformer Engine's ``LayerNorm`` or ``RMSNorm``, the one ``config.normalization``
-names, built with Megatron's arguments.
+names, built with Megatron's arguments; and ``TEFusedResidualRMSNorm``, the RMSNorm that also
+hands its input on for the residual add that follows.
 
-Without Transformer Engine the class still imports; constructing it raises ``ImportError`` naming
-it and the install command, as the other TE wrappers do. TE is read from the import seam
-(``mcore_activations.te_import``) at construction.
+Without Transformer Engine both classes still import; constructing one raises ``ImportError``
+naming it and the install command, as the other TE wrappers do (``transformer_engine.py``
+exports ``TEFusedResidualRMSNorm`` as None then, as upstream). TE is read from the import seam
+(``mcore_activations.te_import``); the base class of ``TEFusedResidualRMSNorm`` is chosen when
+this module is imported, as for the TE linears.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from __future__ import annotations
 import torch
 
 from mcore_activations import te_import
-from mcore_activations.te_import import require_te
+from mcore_activations.te_import import TE_OPS_MIN_VERSION, require_te
+from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
+from megatron.core.extensions.te_linears import _te_base
+from megatron.core.extensions.te_ops_adapters import _make_te_ops_rmsnorm_from_te_rmsnorm
 
-__all__ = ["TENorm"]
+__all__ = ["TEFusedResidualRMSNorm", "TENorm"]
 
 _NORMS = ("LayerNorm", "RMSNorm")
 
@@ -27,11 +33,51 @@ def _device(config):
     return torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
 
+class TEFusedResidualRMSNorm(TEFusedOpsMixin, _te_base("RMSNorm")):
+    """``te.pytorch.RMSNorm`` whose forward also returns its input, the residual.
+
+    The module is TE's RMSNorm (same constructor, same single ``weight`` parameter, same
+    checkpoints); only ``forward`` differs. It runs ``te.pytorch.ops.Sequential(MakeExtraOutput,
+    RMSNorm)``, whose RMSNorm op aliases ``self.weight``, so TE hands out the residual from the
+    same fused pass and adds its gradient to the input's. The ops are built on the first forward
+    and cached in a 1-tuple (:class:`TEFusedOpsMixin`): never a submodule, never in
+    ``state_dict``; ``_reset_fused_impl()`` drops them.
+
+    Args: as ``te.pytorch.RMSNorm``.
+
+    Raises:
+        ImportError: Transformer Engine is unavailable.
+        RuntimeError: Transformer Engine is older than 1.13 (no op API).
+    """
+
+    def __init__(self, *args, **kwargs):
+        require_te(type(self).__name__, TE_OPS_MIN_VERSION)
+        super().__init__(*args, **kwargs)
+
+    def _make_fused_impl(self):
+        ops = te_import.te.pytorch.ops
+        return ops.Sequential(
+            ops.MakeExtraOutput(),
+            _make_te_ops_rmsnorm_from_te_rmsnorm(self, type(self).__name__),
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(rmsnorm(hidden_states), hidden_states)``, both of the input's shape."""
+        # TE's Sequential returns the extra output after the main one.
+        return self._get_fused_impl()(hidden_states)
+
+
 class TENorm:
     """Builds ``te.pytorch.LayerNorm`` or ``te.pytorch.RMSNorm`` as ``config.normalization`` says.
 
     Calling ``TENorm(config, hidden_size)`` returns the TE module itself (not a ``TENorm``), as
     upstream's does, with ``returns_residual`` set on it.
+
+    The residual is fused into the norm when both halves of the opt-in are set:
+    ``config.fused_residual_rmsnorm`` (the model allows it) and ``has_residual`` (this build site
+    is followed by a residual add). The result is then a :class:`TEFusedResidualRMSNorm` with
+    ``returns_residual = True``: its forward returns ``(normalized, residual)``. Otherwise it is
+    the plain TE norm with ``returns_residual = False``.
 
     Args:
         config: Model configuration: ``normalization`` (``"LayerNorm"`` or ``"RMSNorm"``),
@@ -40,19 +86,14 @@ class TENorm:
             ``fused_residual_rmsnorm``.
         hidden_size: The normalized (last) dimension.
         eps: Added to the variance.
-        has_residual: The norm is followed by a residual add (the build site's half of the
-            fused-residual opt-in; ``config.fused_residual_rmsnorm`` is the other half).
+        has_residual: The norm is followed by a residual add.
 
     Raises:
         ImportError: Transformer Engine is unavailable.
         ValueError: ``normalization`` is neither ``"LayerNorm"`` nor ``"RMSNorm"``, or the fused
             residual is asked for with ``"LayerNorm"`` (upstream's error for that case).
-        RuntimeError: RMSNorm is asked for and this TE has none.
-
-    Upstream fuses the residual add into the RMSNorm when both ``config.fused_residual_rmsnorm``
-    and ``has_residual`` are set (``TEFusedResidualRMSNorm``); this fork has no such module and
-    builds the plain RMSNorm with ``returns_residual = False``, so the caller adds the residual
-    itself: the same result, without the fusion.
+        RuntimeError: RMSNorm is asked for and this TE has none, or the fused residual is asked
+            for and this TE is older than 1.13.
     """
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, has_residual: bool = False):
@@ -62,7 +103,7 @@ class TENorm:
             raise ValueError(
                 f"TENorm: normalization={normalization!r} is not supported; use one of {_NORMS}."
             )
-        fused_residual = getattr(config, "fused_residual_rmsnorm", False) and has_residual
+        fused_residual = bool(getattr(config, "fused_residual_rmsnorm", False) and has_residual)
         if fused_residual and normalization != "RMSNorm":
             raise ValueError(
                 "TENorm: fused_residual_rmsnorm fuses the residual into an RMSNorm only; "
@@ -75,7 +116,9 @@ class TENorm:
                 f"TENorm: this Transformer Engine ({te_import.te_version()}) has no "
                 f"te.pytorch.{normalization}; RMSNorm needs TE >= 0.11."
             )
-        instance = getattr(pytorch, normalization)(
+        # Looked up at call time, so a test can stand in its own fused class.
+        norm_class = TEFusedResidualRMSNorm if fused_residual else getattr(pytorch, normalization)
+        instance = norm_class(
             normalized_shape=hidden_size,
             eps=eps,
             sequence_parallel=config.sequence_parallel,
@@ -83,5 +126,5 @@ class TENorm:
             params_dtype=config.params_dtype,
             device=_device(config),
         )
-        instance.returns_residual = False
+        instance.returns_residual = fused_residual
         return instance

@@ -12,9 +12,12 @@ Where each job lives (docs/te-paths.md):
   TE in that one place. ``te`` and ``HAVE_TE`` here read the seam too.
 - ``mcore_activations.te_lowering``: the one activation lowering, ``ActivationSpec`` -> the
   ``te.pytorch.ops`` op that computes it, or :class:`UnsupportedActivationError`.
-- ``te_linears``: the TE linear wrappers. ``te_norm``: ``TENorm``. ``te_recipes``: the grouped
-  paths' quantization recipes.
+- ``te_linears``: the TE linear wrappers. ``te_norm``: ``TENorm`` and
+  ``TEFusedResidualRMSNorm``. ``te_recipes``: the grouped paths' quantization recipes.
 - ``te_rng``: the RNG tracker (``tensor_parallel.random`` imports only it).
+- ``te_ops_adapters``: upstream's module-level builders of ``te.pytorch.ops`` operations that
+  alias a module's parameters (``_make_te_ops_basic_linear_from_mcore_te_linear``, ...).
+- ``te_fused_ops``: ``TEFusedOpsMixin``, the lifecycle of every fused class.
 - ``te_fused_mlp``: ``TEFusedMLP`` and ``TEFusedMLPWithGroupedLinear``.
 """
 
@@ -43,11 +46,8 @@ from mcore_activations.te_lowering import (  # noqa: F401 - upstream names re-ex
     lower_activation_to_te_op,
     plan_te_activation,
 )
-from megatron.core.extensions.te_fused_mlp import (
-    TEFusedMLP,
-    TEFusedMLPWithGroupedLinear,
-    TEFusedOpsMixin,
-)
+from megatron.core.extensions.te_fused_mlp import TEFusedMLP, TEFusedMLPWithGroupedLinear
+from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
 from megatron.core.extensions.te_linears import (
     TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
@@ -58,7 +58,19 @@ from megatron.core.extensions.te_linears import (
     TERowParallelLinear,
     set_save_original_input,
 )
-from megatron.core.extensions.te_norm import TENorm
+from megatron.core.extensions.te_norm import TEFusedResidualRMSNorm, TENorm
+from megatron.core.extensions.te_ops_adapters import (  # noqa: F401 - upstream names re-exported
+    _get_te_ops_rng_state_tracker_function,
+    _get_te_ops_tensor_parallel_context,
+    _make_te_ops_basic_linear_from_mcore_te_linear,
+    _make_te_ops_bias_from_tensor,
+    _make_te_ops_grouped_linear_from_mcore_te_linear,
+    _make_te_ops_norm_from_mcore_te_layernorm_linear,
+    _make_te_ops_rmsnorm_from_te_rmsnorm,
+    _te_ops_has_nested_attr,
+    _te_ops_userbuffers_options,
+    _validate_te_ops_adapter_module,
+)
 from megatron.core.extensions.te_recipes import (
     FUSED_RECIPES,
     TEFusedRecipeError,
@@ -81,6 +93,7 @@ __all__ = [
     "TEFusedMLPWithGroupedLinear",
     "TEFusedOpsMixin",
     "TEFusedRecipeError",
+    "TEFusedResidualRMSNorm",
     "TEGroupedLinear",
     "TELayerNormColumnParallelLinear",
     "TELinear",
@@ -115,6 +128,7 @@ TE_ONLY_CLASSES = {
     "TERowParallelGroupedLinear": TERowParallelGroupedLinear,
     "TEFusedMLP": TEFusedMLP,
     "TEFusedMLPWithGroupedLinear": TEFusedMLPWithGroupedLinear,
+    "TEFusedResidualRMSNorm": TEFusedResidualRMSNorm,
 }
 if not te_import.have_te():
     globals().update(dict.fromkeys(TE_ONLY_CLASSES))

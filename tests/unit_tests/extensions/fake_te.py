@@ -11,8 +11,9 @@ op a path builds and that the arguments it passes compute the configured activat
 
 from __future__ import annotations
 
+import importlib.util
 import math
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,7 @@ class FakeOp(torch.nn.Module):
     """Base of every fake op: records its constructor arguments."""
 
     num_extra_inputs = 0
+    num_extra_outputs = 0
 
     def __init__(self, *args, **kwargs):
         super().__init__()
@@ -195,6 +197,15 @@ class GroupedLinear(FakeOp):
         return F.linear(x, self.weight0)
 
 
+class MakeExtraOutput(FakeOp):
+    """Passes its input on, and the fuser also returns it as an extra output (as TE's op)."""
+
+    num_extra_outputs = 1
+
+    def forward(self, x):
+        return x
+
+
 class AllReduce(FakeOp):
     def forward(self, x):
         return x
@@ -206,20 +217,36 @@ class ReduceScatter(FakeOp):
 
 
 class Sequential(torch.nn.Module):
-    """Runs the ops in order, handing each its share of the extra inputs."""
+    """Runs the ops in order, handing each its share of the extra inputs.
+
+    As TE's fuser: the input of each op with an extra output (``MakeExtraOutput``) is returned
+    too, after the main output (``(y, *extra_outputs)``); without one the result is ``y``.
+    """
 
     def __init__(self, *ops):
         super().__init__()
         self.ops = torch.nn.ModuleList(ops)
 
+    def append(self, op) -> None:
+        self.ops.append(op)
+
+    def __getitem__(self, index):
+        return self.ops[index]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
     def forward(self, x, *extra_inputs):
         extra = list(extra_inputs)
+        extra_outputs = []
         for op in self.ops:
             n = op.num_extra_inputs
             x = op(x, *extra[:n])
             extra = extra[n:]
+            if op.num_extra_outputs:
+                extra_outputs.append(x)
         assert not extra, f"{len(extra)} extra inputs left unused"
-        return x
+        return (x, *extra_outputs) if extra_outputs else x
 
     @property
     def op_names(self) -> list:
@@ -228,6 +255,36 @@ class Sequential(torch.nn.Module):
 
 class Recipe(SimpleNamespace):
     pass
+
+
+class RMSNormModule(torch.nn.Module):
+    """``te.pytorch.RMSNorm``, the module: TE's keywords, a weight of ones (zeros when
+    zero-centered) and the SM margins TE keeps; ``forward`` computes the RMSNorm."""
+
+    def __init__(
+        self,
+        normalized_shape,
+        eps=1e-5,
+        sequence_parallel=None,
+        params_dtype=None,
+        zero_centered_gamma=False,
+        device=None,
+        dtype=None,
+        sm_margin=0,
+    ):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        dtype = params_dtype if params_dtype is not None else dtype
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(tuple(shape), device=device, dtype=dtype))
+        self.eps = eps
+        self.zero_centered_gamma = zero_centered_gamma
+        self.sequence_parallel = sequence_parallel
+        self._sm_margins = dict.fromkeys(("forward", "backward", "inference"), sm_margin)
+
+    def forward(self, x):
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
 
 def make_fake_te(version: str = "2.20.2", missing=(), mxfp8=False, nvfp4=False):
@@ -245,6 +302,7 @@ def make_fake_te(version: str = "2.20.2", missing=(), mxfp8=False, nvfp4=False):
         LayerNorm=LayerNorm,
         RMSNorm=RMSNorm,
         GroupedLinear=GroupedLinear,
+        MakeExtraOutput=MakeExtraOutput,
         AllReduce=AllReduce,
         ReduceScatter=ReduceScatter,
         Sequential=Sequential,
@@ -265,6 +323,7 @@ def make_fake_te(version: str = "2.20.2", missing=(), mxfp8=False, nvfp4=False):
 
     pytorch = SimpleNamespace(
         ops=SimpleNamespace(**ops),
+        RMSNorm=RMSNormModule,
         is_mxfp8_available=lambda return_reason=False: (mxfp8, "" if mxfp8 else "fake: no MXFP8"),
         is_nvfp4_available=lambda return_reason=False: (nvfp4, "" if nvfp4 else "fake: no NVFP4"),
         autocast=lambda enabled, recipe: _Context(records.autocast, recipe),
@@ -293,6 +352,20 @@ def install_fake_te(monkeypatch, version: str = "2.20.2", **kwargs):
     return fake
 
 
+def load_private_copy(module: ModuleType) -> ModuleType:
+    """A fresh copy of ``module`` executed now, under its own name (``sys.modules`` untouched).
+
+    Classes whose base is a TE class take it when their module is imported
+    (``te_linears._te_base``); the shared modules were imported without TE. A copy loaded while
+    the seam holds a fake TE has classes that derive from the fake's.
+    """
+    name = f"{module.__name__}_over_fake_te"
+    spec = importlib.util.spec_from_file_location(name, module.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy
+
+
 def remove_te(monkeypatch):
     """Patches the TE module globals as if Transformer Engine could not be imported."""
     monkeypatch.setattr(te_import, "HAVE_TE", False)
@@ -318,8 +391,10 @@ class CpuLinear(torch.nn.Module):
     def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, **kw):
         super().__init__()
         dtype = config.params_dtype
+        self.config = config
         self.te_return_bias = bool(skip_bias_add and bias)
         self.fuse_wgrad_accumulation = False
+        self.ub_name = None  # TE keeps the attribute, None without a Userbuffers buffer
         self.sequence_parallel = False
         self.tp_group = kw.get("tp_group")
         self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))

@@ -1,11 +1,13 @@
 """TENorm over a fake Transformer Engine: which TE norm it builds, with which arguments, what it
-refuses, and the fused-residual fallback."""
+refuses, and when it fuses the residual (TEFusedResidualRMSNorm itself:
+test_te_fused_residual_rmsnorm.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import megatron.core.extensions.te_norm as te_norm
 import megatron.core.extensions.transformer_engine as te_ext
 from megatron.core.extensions.te_norm import TENorm
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -74,17 +76,24 @@ def test_allocation_device_follows_the_config(fake_te):
     assert TENorm(config, 8).kwargs["device"] == "meta"
 
 
-def test_fused_residual_falls_back_to_the_plain_rmsnorm(fake_te):
+class FakeFusedResidualRMSNorm(_RecordingNorm):
+    pass
+
+
+def test_fused_residual_builds_the_fused_residual_rmsnorm(fake_te, monkeypatch):
+    monkeypatch.setattr(te_norm, "TEFusedResidualRMSNorm", FakeFusedResidualRMSNorm)
     config = _config(normalization="RMSNorm")
     config.fused_residual_rmsnorm = True
-    # No fused module here: the plain RMSNorm, and returns_residual=False tells the caller to
-    # add the residual itself (the same result as upstream's fusion).
-    norm = TENorm(config, 8, has_residual=True)
-    assert isinstance(norm, FakeRMSNorm) and norm.returns_residual is False
+    # Both halves of the opt-in: the fused module, built with the plain norm's arguments, and
+    # returns_residual=True (its forward returns (normalized, residual)), as upstream.
+    norm = TENorm(config, 8, eps=1e-6, has_residual=True)
+    assert isinstance(norm, FakeFusedResidualRMSNorm) and norm.returns_residual is True
+    assert norm.kwargs == TENorm(config, 8, eps=1e-6).kwargs
+    assert isinstance(TENorm(config, 8), FakeRMSNorm)  # no residual at this site: no fusion
     config.normalization = "LayerNorm"
     with pytest.raises(ValueError, match="fused_residual_rmsnorm fuses the residual into an"):
         TENorm(config, 8, has_residual=True)
-    assert isinstance(TENorm(config, 8), FakeLayerNorm)  # no residual at this site: no fusion
+    assert isinstance(TENorm(config, 8), FakeLayerNorm)
 
 
 def test_te_without_rmsnorm_is_named(fake_te):

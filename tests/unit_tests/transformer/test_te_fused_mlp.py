@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import megatron.core.extensions.te_fused_mlp as te_fused_mlp
+import megatron.core.extensions.te_ops_adapters as te_ops_adapters
 import megatron.core.extensions.te_recipes as te_recipes
 import megatron.core.extensions.transformer_engine as te_ext
 from megatron.core.extensions.te_recipes import TEFusedRecipeError
@@ -289,7 +289,8 @@ def test_te_fused_mlp_refuses_per_token_scale(fake_te):
 def fake_tp_group(monkeypatch, size=2):
     """A stand-in process group of ``size`` ranks that MLP keeps and ``get_pg_size`` reports."""
     group = object()
-    monkeypatch.setattr(te_fused_mlp, "get_pg_size", lambda g=None: size if g is group else 1)
+    # The op builders (te_ops_adapters) size the group, for the TP context and BasicLinear.
+    monkeypatch.setattr(te_ops_adapters, "get_pg_size", lambda g=None: size if g is group else 1)
     monkeypatch.setattr(
         mlp_module, "get_tensor_model_parallel_group_if_none", lambda tp_group, **kw: tp_group
     )

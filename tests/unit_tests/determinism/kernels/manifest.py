@@ -64,8 +64,19 @@ KERNELS = [
         "sources": [
             "mcore_activations/te_lowering.py",
             "megatron/core/extensions/te_fused_mlp.py",
+            "megatron/core/extensions/te_ops_adapters.py",
         ],
         "tests": [f"{_REPLAY}::test_cuda_te_fused_mlp_replay_bitwise"],
+        "kind": "transformer-engine",
+        "exempt": None,
+    },
+    {
+        "name": "te-fused-residual-rmsnorm",
+        "sources": [
+            "megatron/core/extensions/te_norm.py",
+            "megatron/core/extensions/te_ops_adapters.py",
+        ],
+        "tests": [f"{_REPLAY}::test_cuda_te_fused_residual_rmsnorm_replay_bitwise"],
         "kind": "transformer-engine",
         "exempt": None,
     },

@@ -126,3 +126,33 @@ def test_cuda_te_fused_mlp_replay_bitwise(path_name):
 )
 def test_cuda_te_grouped_mlp_replay_bitwise(path_name):
     replay_twice(_te_mlp_case(path_name), path_name)
+
+
+def _te_fused_residual_rmsnorm_case():
+    from megatron.core.extensions.transformer_engine import TEFusedResidualRMSNorm
+
+    def run():
+        hidden = 1536
+        norm = TEFusedResidualRMSNorm(hidden, params_dtype=torch.bfloat16, device="cuda")
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+        x = torch.randn(4099, hidden, generator=gen).cuda().bfloat16().requires_grad_()
+        grad_out = torch.randn(4099, hidden, generator=gen).cuda().bfloat16()
+        grad_res = torch.randn(4099, hidden, generator=gen).cuda().bfloat16()
+        out, residual = norm(x)
+        torch.autograd.backward((out, residual), (grad_out, grad_res))
+        return {
+            "out": out.detach(),
+            "residual": residual.detach(),
+            "dx": x.grad,
+            "grad.weight": norm.weight.grad,
+        }
+
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.te
+def test_cuda_te_fused_residual_rmsnorm_replay_bitwise():
+    replay_twice(_te_fused_residual_rmsnorm_case(), "TEFusedResidualRMSNorm")
