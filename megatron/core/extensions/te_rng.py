@@ -27,18 +27,19 @@ class TECudaRNGStatesTracker(_te_rng_tracker_base()):
     """TE's RNG tracker (graph-safe under TE's CUDA graphs) with Megatron's ``is_initialized``.
 
     Args:
-        is_inference_rng_tracker: Not supported; must be False.
-        use_cudagraphable_rng: Not supported; must be False.
+        is_inference_rng_tracker: Marks a tracker made for inference (read by CUDA-graph code);
+            ``initialize_rng_tracker(inference_rng_tracker=True)`` builds one whose streams do
+            nothing.
+        use_cudagraphable_rng: Accepted for the signature of this fork's own tracker. TE's
+            tracker keeps graph-safe states whenever PyTorch has them, so either value gives
+            the same tracker.
     """
 
     def __init__(self, is_inference_rng_tracker: bool = False, use_cudagraphable_rng: bool = False):
         require_te(type(self).__name__)
-        if is_inference_rng_tracker or use_cudagraphable_rng:
-            raise ValueError(
-                "TECudaRNGStatesTracker: inference / cudagraphable RNG trackers are not supported."
-            )
         super().__init__()
         self._is_initialized = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
 
     def is_initialized(self) -> bool:
         """Whether a state was added or set since the last reset."""

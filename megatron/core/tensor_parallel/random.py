@@ -28,6 +28,7 @@ generator-free autograd mechanics are in ``checkpoint_autograd``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Optional
 
@@ -80,19 +81,43 @@ def _use_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _get_rng_state() -> torch.Tensor:
-    """Returns the state of the device generator (current CUDA device, else the CPU)."""
+def _cuda_generator() -> torch.Generator:
+    """The current CUDA device's default generator."""
+    torch.cuda.init()  # fills torch.cuda.default_generators; a no-op once CUDA is up
+    return torch.cuda.default_generators[torch.cuda.current_device()]
+
+
+def _get_rng_state(graph_safe: bool = False):
+    """Returns the state of the device generator (current CUDA device, else the CPU).
+
+    With ``graph_safe`` the result is a ``torch.Generator`` that shares the default CUDA
+    generator's current state object, not a copy: draws advance it, and a CUDA graph that
+    registered it replays from wherever it has got to.
+    """
+    if graph_safe:
+        return _cuda_generator().graphsafe_get_state()
     if _use_cuda():
         return torch.cuda.get_rng_state()
     return torch.get_rng_state()
 
 
-def _set_rng_state(state: torch.Tensor) -> None:
-    """Restores the device generator (current CUDA device, else the CPU) to ``state``."""
-    if _use_cuda():
+def _set_rng_state(state, graph_safe: bool = False) -> None:
+    """Makes the device generator (current CUDA device, else the CPU) run from ``state``.
+
+    With ``graph_safe`` the default CUDA generator adopts the generator ``state``'s state object
+    itself (later draws advance ``state``); otherwise it copies the state tensor.
+    """
+    if graph_safe:
+        _cuda_generator().graphsafe_set_state(state)
+    elif _use_cuda():
         torch.cuda.set_rng_state(state)
     else:
         torch.set_rng_state(state)
+
+
+def _snapshot(state):
+    """A copy of ``state`` that later draws cannot advance (state tensors never change)."""
+    return state.clone_state() if isinstance(state, torch.Generator) else state
 
 
 def _manual_seed(seed: int) -> None:
@@ -103,6 +128,35 @@ def _manual_seed(seed: int) -> None:
         torch.random.default_generator.manual_seed(seed)
 
 
+_GRAPH_SAFE_API = ("graphsafe_get_state", "graphsafe_set_state", "clone_state")
+
+
+class GraphSafeRNGUnavailableError(RuntimeError, AssertionError):
+    """``use_cudagraphable_rng=True`` where graph-safe generator states cannot exist.
+
+    Also an ``AssertionError``, the type upstream raises when PyTorch lacks the API, so code
+    written against upstream catches it.
+    """
+
+
+def _require_graph_safe_rng() -> None:
+    if not _use_cuda():
+        raise GraphSafeRNGUnavailableError(
+            "use_cudagraphable_rng=True needs a CUDA device: graph-safe states are CUDA generator "
+            "states and this machine has no CUDA device. Leave use_cudagraphable_rng=False here "
+            "(the tracker then runs the CPU generator's streams)."
+        )
+    missing = [name for name in _GRAPH_SAFE_API if not hasattr(torch.Generator, name)]
+    if not hasattr(torch.cuda.CUDAGraph, "register_generator_state"):
+        missing.append("CUDAGraph.register_generator_state")
+    if missing:
+        raise GraphSafeRNGUnavailableError(
+            f"use_cudagraphable_rng=True needs graph-safe generator states, which this PyTorch "
+            f"({torch.__version__}) lacks ({', '.join(missing)}); upgrade PyTorch or leave "
+            "use_cudagraphable_rng=False."
+        )
+
+
 # ----------------------------------------------------------------------------- the tracker
 
 
@@ -110,19 +164,29 @@ class CudaRNGStatesTracker:
     """Keeps named generator states and runs code under one of them.
 
     States are stored as generator-state tensors, so a tracker can be saved (``get_states``) and
-    restored (``set_states``) with a checkpoint.
+    restored (``set_states``) with a checkpoint. With ``use_cudagraphable_rng`` they are
+    ``torch.Generator`` objects instead (graph-safe states): ``fork`` switches the default CUDA
+    generator onto a stream's own state object, so work captured in a CUDA graph that registered
+    the stream (``CUDAGraph.register_generator_state``, see :func:`get_all_rng_states`) draws
+    fresh numbers on every replay. Such states change in place as they are used; take
+    ``state.clone_state()`` for a copy that stays put.
 
     Args:
-        use_cudagraphable_rng: Graph-safe generators for CUDA graph capture. Not supported.
-        is_inference_rng_tracker: Inference-specific tracker. Not supported.
+        use_cudagraphable_rng: Keep graph-safe generator states (needs CUDA and PyTorch's
+            graph-safe generator API).
+        is_inference_rng_tracker: Marks a tracker made for inference (read by CUDA-graph code).
+            The tracker behaves the same; ``initialize_rng_tracker(inference_rng_tracker=True)``
+            is what builds one whose streams do nothing.
+
+    Raises:
+        GraphSafeRNGUnavailableError: ``use_cudagraphable_rng`` without CUDA or without the API.
     """
 
     def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
-        if use_cudagraphable_rng or is_inference_rng_tracker:
-            raise ValueError(
-                "use_cudagraphable_rng / inference_rng_tracker are not supported by this fork; "
-                "leave them False."
-            )
+        if use_cudagraphable_rng:
+            _require_graph_safe_rng()
+        self.use_cudagraphable_rng = use_cudagraphable_rng
+        self.is_inference_rng_tracker = is_inference_rng_tracker
         # Names of the forks being run, innermost last (see fork).
         self._active: list[str] = []
         self.reset()
@@ -161,6 +225,13 @@ class CudaRNGStatesTracker:
             raise Exception(f"cuda rng state {name} already exists")
         self._is_initialized = True
         self.seeds_.add(seed)
+        if self.use_cudagraphable_rng:
+            # A state object of the stream's own, seeded in place; the default generator's is
+            # only copied, never touched.
+            state = _cuda_generator().clone_state()
+            state.manual_seed(seed)
+            self.states_[name] = state
+            return
         outer_state = _get_rng_state()
         try:
             _manual_seed(seed)
@@ -182,21 +253,47 @@ class CudaRNGStatesTracker:
         """
         if name not in self.states_:
             raise Exception(f"cuda rng state {name} is not added")
-        outer_state = _get_rng_state()
+        graph_safe = self.use_cudagraphable_rng
+        outer_state = _get_rng_state(graph_safe)
         if self._active:
             self.states_[self._active[-1]] = outer_state
-        _set_rng_state(self.states_[name])
+        _set_rng_state(self.states_[name], graph_safe)
         self._active.append(name)
         try:
             yield
         finally:
-            self.states_[name] = _get_rng_state()
+            self.states_[name] = _get_rng_state(graph_safe)
             self._active.pop()
             # The enclosing stream may have advanced inside this fork (forked again within it).
-            _set_rng_state(self.states_[self._active[-1]] if self._active else outer_state)
+            outer = self.states_[self._active[-1]] if self._active else outer_state
+            _set_rng_state(outer, graph_safe)
 
 
 _CUDA_RNG_STATE_TRACKER: Optional[CudaRNGStatesTracker] = None
+
+
+@functools.cache
+def _inference_tracker_class(base: type) -> type:
+    """``base`` (this module's tracker or TE's) with streams that do nothing, for inference.
+
+    Inference draws no dropout masks and must not spend time switching generator states (nor
+    trip a CUDA graph over them), so registering and restoring streams are no-ops and ``fork``
+    runs the body on whatever the device generator is. One class per base, as upstream builds.
+    """
+
+    def add(self, name, seed):
+        """Does nothing: an inference tracker keeps no streams."""
+
+    def set_states(self, states):
+        """Does nothing: an inference tracker keeps no streams."""
+
+    def fork(self, name=_MODEL_PARALLEL_RNG_TRACKER_NAME):
+        """Runs the body on the current device generator (no stream switch)."""
+        return contextlib.nullcontext()
+
+    namespace = {"add": add, "set_states": set_states, "fork": fork, "__module__": __name__}
+    namespace["__doc__"] = f"{base.__name__} whose streams do nothing (inference)."
+    return type("InferenceCudaRNGStatesTracker", (base,), namespace)
 
 
 def initialize_rng_tracker(
@@ -208,10 +305,17 @@ def initialize_rng_tracker(
     """Creates the global tracker, unless one exists and ``force_reset`` is False.
 
     Args:
-        use_te_rng_tracker: Use Transformer Engine's tracker (needed by TE's CUDA-graph support).
-        inference_rng_tracker: Not supported; must be False.
-        use_cudagraphable_rng: Not supported; must be False.
+        use_te_rng_tracker: Use Transformer Engine's tracker (graph-safe under TE's CUDA graphs).
+        inference_rng_tracker: Build an inference tracker: ``add``, ``set_states`` and ``fork``
+            do nothing (see ``_inference_tracker_class``).
+        use_cudagraphable_rng: Keep graph-safe generator states (this module's tracker only; TE's
+            is graph-safe already and ignores it, as upstream).
         force_reset: Replace an existing tracker.
+
+    Raises:
+        ValueError: ``use_te_rng_tracker`` without Transformer Engine.
+        GraphSafeRNGUnavailableError: ``use_cudagraphable_rng`` without CUDA or PyTorch's
+            graph-safe generator API.
     """
     global _CUDA_RNG_STATE_TRACKER
     if _CUDA_RNG_STATE_TRACKER is not None and not force_reset:
@@ -223,16 +327,16 @@ def initialize_rng_tracker(
                 "megatron.core.extensions.transformer_engine.TECudaRNGStatesTracker; install "
                 "Transformer Engine or leave te_rng_tracker=False."
             )
-        tracker = TECudaRNGStatesTracker(
-            is_inference_rng_tracker=inference_rng_tracker,
-            use_cudagraphable_rng=use_cudagraphable_rng,
-        )
+        base, kwargs = TECudaRNGStatesTracker, {"is_inference_rng_tracker": inference_rng_tracker}
     else:
-        tracker = CudaRNGStatesTracker(
-            use_cudagraphable_rng=use_cudagraphable_rng,
-            is_inference_rng_tracker=inference_rng_tracker,
-        )
-    _CUDA_RNG_STATE_TRACKER = tracker
+        base = CudaRNGStatesTracker
+        kwargs = {
+            "use_cudagraphable_rng": use_cudagraphable_rng,
+            "is_inference_rng_tracker": inference_rng_tracker,
+        }
+    if inference_rng_tracker:
+        base = _inference_tracker_class(base)
+    _CUDA_RNG_STATE_TRACKER = base(**kwargs)
 
 
 def get_cuda_rng_tracker(
@@ -293,8 +397,7 @@ def is_graph_safe_cuda_rng_tracker(cuda_rng_tracker) -> bool:
     """Whether ``cuda_rng_tracker`` keeps graph-safe generator states (CUDA-graph capturable).
 
     True for Transformer Engine's tracker and for any tracker built with
-    ``use_cudagraphable_rng=True``; this module's tracker refuses that option, so it is never
-    graph-safe.
+    ``use_cudagraphable_rng=True``.
     """
     if isinstance(cuda_rng_tracker, TECudaRNGStatesTracker):
         return True
@@ -324,8 +427,8 @@ def model_parallel_cuda_manual_seed(
     Args:
         seed: Base seed, the same on every rank.
         te_rng_tracker: Use Transformer Engine's tracker class.
-        inference_rng_tracker: Not supported; must be False.
-        use_cudagraphable_rng: Not supported; must be False.
+        inference_rng_tracker: Build an inference tracker (its streams do nothing).
+        use_cudagraphable_rng: Keep graph-safe generator states (CUDA only).
         tp_rank: Tensor-parallel rank (default: from ``parallel_state``).
         ep_rank: Expert-model-parallel rank (default: from ``parallel_state``).
         etp_rank: Expert-tensor-parallel rank (default: from ``parallel_state``).
@@ -398,22 +501,44 @@ def convert_cuda_rng_state(state, to_graphable: bool = False):
     return generator
 
 
-def _capture_rng() -> tuple:
-    return torch.get_rng_state(), _get_rng_state(), get_cuda_rng_tracker().get_states()
+def _capture_rng(copy: bool = True) -> tuple:
+    """Every generator state a block's forward draws from: the CPU's, the device's and each
+    tracker stream's, with whether they are graph-safe.
+
+    ``copy`` takes copies, for a recomputation: graph-safe states change in place as later
+    forks draw, so a recomputation holding the live objects would draw past the forward's
+    numbers (upstream keeps the live ones; docs/activations.md lists the difference). Without it
+    the live objects are kept, to be put back as they are (a CUDA graph may have registered
+    them).
+    """
+    # TE's tracker is graph-safe too; a fake one on a machine without CUDA keeps tensors.
+    graph_safe = _use_cuda() and is_graph_safe_cuda_rng_tracker(get_cuda_rng_tracker())
+    device = _get_rng_state(graph_safe)
+    tracker = get_cuda_rng_tracker().get_states()
+    if copy:
+        device = _snapshot(device)
+        tracker = {name: _snapshot(state) for name, state in tracker.items()}
+    return graph_safe, torch.get_rng_state(), device, tracker
 
 
-def _restore_rng(states: tuple) -> None:
-    cpu, device, tracker = states
+def _restore_rng(states: tuple, copy: bool = False) -> None:
+    """Puts back what :func:`_capture_rng` took; ``copy`` restores copies of it instead, so the
+    same captured states replay the same numbers however often they are restored."""
+    graph_safe, cpu, device, tracker = states
+    if copy:
+        device = _snapshot(device)
+        tracker = {name: _snapshot(state) for name, state in tracker.items()}
     torch.set_rng_state(cpu)
-    _set_rng_state(device)
+    _set_rng_state(device, graph_safe)
     get_cuda_rng_tracker().set_states(tracker)
 
 
 @contextlib.contextmanager
 def _replayed_rng(states: tuple) -> Iterator[None]:
-    """Runs the block with the generators as they were at ``states``, then puts them back."""
-    current = _capture_rng()
-    _restore_rng(states)
+    """Runs the block with the generators as they were at ``states``, then puts back the live
+    ones."""
+    current = _capture_rng(copy=False)
+    _restore_rng(states, copy=True)
     try:
         yield
     finally:

@@ -165,8 +165,6 @@ def test_reset(tracker):
 
 
 def test_unsupported_tracker_options():
-    with pytest.raises(ValueError, match="use_cudagraphable_rng"):
-        CudaRNGStatesTracker(use_cudagraphable_rng=True)
     with pytest.raises(ValueError, match="not supported"):
         model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0, gtp_remat_world_size=2)
 
