@@ -35,6 +35,8 @@ may contract multiply-adds differently from eager) before it is timed.
   probabilities, in turns: the probability gradient is a per-row sum with a barrier in every
   program, so its best shape can differ from the unweighted one.
 - ``fp32``: float32 forward launch shapes next to torch.compile and TE, in turns.
+- ``weighted``: forward+backward through ``fused_activation`` with and without probabilities,
+  in turns and alone (the weighted-within-5 % target), with the host time per call.
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
   functional API, with and without autograd) and a cProfile of the functional API.
 """
@@ -513,6 +515,43 @@ def bench_fp32(spec, rows, ffn):
     return {label: t / floor for label, t in times.items()}
 
 
+def bench_weighted(spec, rows, ffn, dtype):
+    """Forward+backward through ``fused_activation`` with and without probabilities, in turns.
+
+    Only this project's path, so the weighted and unweighted calls share the card and the
+    allocator with nothing else in between (the side-by-side benchmark interleaves TE and
+    torch.compile too). Also the host time per call, measured without synchronising: below the
+    device time the path is bound by the GPU.
+    """
+    import time
+
+    from mcore_activations.fusions.fused_activation import fused_activation
+
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    probs = torch.rand(rows, 1, device="cuda")
+    xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+
+    def call(p):
+        def run():
+            xg.grad = pg.grad = None
+            fused_activation(xg, spec, probs=p).backward(grad)
+
+        return run
+
+    cases = {"unweighted": call(None), "probs": call(pg), "probs without grad": call(probs)}
+    row = {f"{label} ms": ms for label, ms in time_interleaved(cases).items()}
+    row["probs / unweighted"] = row["probs ms"] / row["unweighted ms"]
+    for label, run in cases.items():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            run()
+        row[f"{label} host us"] = (time.perf_counter() - start) / 50 * 1e6
+        torch.cuda.synchronize()
+    return row
+
+
 PATH_CASES = TILE_CASES | {
     "GELU": (ActivationSpec(ActivationKind.GELU_TANH), False),
     "squared-ReLU, probs": (ActivationSpec(ActivationKind.SQUARED_RELU), True),
@@ -657,13 +696,13 @@ def bench_host():
     return row
 
 
-def _print_table(title, rows):
-    print(f"\n{title} (time / copy of the same bytes)")
+def _print_table(title, rows, unit="time / copy of the same bytes", digits=2):
+    print(f"\n{title} ({unit})")
     columns = list(dict.fromkeys(c for row in rows.values() for c in row))  # a row may lack some
     print("| activation | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for name, row in rows.items():
-        cells = (f"{row[c]:.2f}" if c in row else "-" for c in columns)
+        cells = (f"{row[c]:.{digits}f}" if c in row else "-" for c in columns)
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -672,7 +711,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = ["compile", "layout", "tiles", "flat", "glu", "reduce", "fp32", "path", "host"]
+    experiments = [
+        "compile",
+        "layout",
+        "tiles",
+        "flat",
+        "glu",
+        "reduce",
+        "fp32",
+        "weighted",
+        "path",
+    ]
+    experiments.append("host")
     experiments.append("all")
     parser.add_argument("--experiment", choices=experiments, default="all")
     parser.add_argument("--json", type=Path)
@@ -717,6 +767,12 @@ def main(argv=None):
     if args.experiment in ("fp32", "all"):
         results["fp32"] = {n: bench_fp32(SPECS[n], args.rows, args.ffn) for n in REDUCE_SPECS}
         _print_table("float32 forward launch shapes, compile and TE, in turns", results["fp32"])
+    if args.experiment in ("weighted", "all"):
+        results["weighted"] = {
+            n: bench_weighted(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
+        }
+        title = "forward+backward with and without probs, in turns"
+        _print_table(title, results["weighted"], unit="ms, host us per call, ratio", digits=3)
     if args.experiment in ("path", "all"):
         results["path"] = {
             n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
