@@ -137,9 +137,11 @@ LADDER = {
         "megatron.core.utils",
         "megatron.core.extensions.te_rng",
         "megatron.core.tensor_parallel.checkpoint_autograd",
+        "megatron.core.tensor_parallel.checkpoint_fp8",
         "mcore_activations.te_import",
     },
     "megatron.core.tensor_parallel.checkpoint_autograd": set(),
+    "megatron.core.tensor_parallel.checkpoint_fp8": {"mcore_activations.te_import"},
     "megatron.core.tensor_parallel.cross_entropy": {
         "megatron.core.parallel_state",
         "megatron.core.tensor_parallel.utils",

@@ -37,6 +37,7 @@ import torch
 from mcore_activations import te_import
 from megatron.core import parallel_state
 from megatron.core.extensions.te_rng import TECudaRNGStatesTracker
+from megatron.core.tensor_parallel import checkpoint_fp8
 from megatron.core.tensor_parallel.checkpoint_autograd import (
     CheckpointWithoutOutputFunction,
     backward_through,
@@ -581,7 +582,9 @@ class CheckpointFunction(torch.autograd.Function):
 
     Only the inputs are saved. With ``distribute_saved_activations`` the first input is kept as
     this rank's 1/tp share (it is identical on every tensor-parallel rank) and gathered back in
-    backward. :func:`is_checkpointing` is True while ``run_function`` runs, both times.
+    backward. :func:`is_checkpointing` is True while ``run_function`` runs, both times. The
+    recomputation replays the forward's random streams and Transformer Engine's FP8 autocast
+    state (``checkpoint_fp8``), so it computes the forward's math again.
     """
 
     @staticmethod
@@ -590,7 +593,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.distribute_saved_activations = distribute_saved_activations
         ctx.rng_states = _capture_rng()
-        with _checkpointing(), torch.no_grad():
+        ctx.fp8_state = checkpoint_fp8.capture()
+        with _checkpointing(), torch.no_grad(), checkpoint_fp8.forward_phase(ctx.fp8_state):
             outputs = run_function(*args)
         if distribute_saved_activations:
             from megatron.core.tensor_parallel.utils import split_tensor_into_1d_equal_chunks
@@ -617,7 +621,8 @@ class CheckpointFunction(torch.autograd.Function):
             )
         inputs = detached_inputs(args)
         with _checkpointing(), _replayed_rng(ctx.rng_states), torch.enable_grad():
-            outputs = ctx.run_function(*inputs)
+            with checkpoint_fp8.recompute_phase(ctx.fp8_state):
+                outputs = ctx.run_function(*inputs)
         backward_through(outputs, grads)
         return (None, None) + input_grads(inputs)
 
@@ -641,7 +646,9 @@ class CheckpointWithoutOutput:
     ``discard_output_and_register_recompute`` then does nothing.
 
     Args:
-        fp8: Accepted for upstream's signature; this fork runs no FP8 recompute context.
+        fp8: None turns off replaying Transformer Engine's FP8 state in the recomputation
+            (``checkpoint_fp8``); any other value keeps it on. The default False keeps it on too,
+            as upstream's does: blocks built with ``CheckpointWithoutOutput()`` rely on it.
         ckpt_manager: The :class:`CheckpointWithoutOutputManager` that recomputes this block
             together with others, or None.
         retain_input_tensors: Keep an output that shares storage with an input instead of
@@ -656,7 +663,8 @@ class CheckpointWithoutOutput:
                 f"CheckpointWithoutOutput(ckpt_manager=...) expects a "
                 f"CheckpointWithoutOutputManager or None, got {type(ckpt_manager).__name__}."
             )
-        self.fp8 = fp8
+        self.fp8 = fp8 is not None
+        self.fp8_state = None
         self.ckpt_manager = ckpt_manager
         self.retain_input_tensors = retain_input_tensors
         self.run_function = None
@@ -673,7 +681,9 @@ class CheckpointWithoutOutput:
         """
         self.run_function = run_function
         self.rng_states = _capture_rng()
-        outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
+        self.fp8_state = checkpoint_fp8.capture() if self.fp8 else None
+        with checkpoint_fp8.forward_phase(self.fp8_state):
+            outputs = CheckpointWithoutOutputFunction.apply(run_function, self, *args)
         self.outputs = outputs
         if self.ckpt_manager is not None:
             self.ckpt_manager.add_checkpoint(self)
@@ -704,7 +714,8 @@ class CheckpointWithoutOutput:
         _require_checkpoint_valid()
         inputs = load_args_from_ctx(self.ctx)
         with _replayed_rng(self.rng_states), torch.enable_grad():
-            recomputed = self.run_function(*inputs)
+            with checkpoint_fp8.recompute_phase(self.fp8_state):
+                recomputed = self.run_function(*inputs)
         freed_ids = {id(out) for out, _ in self._freed}
         fresh = [
             new
@@ -715,7 +726,7 @@ class CheckpointWithoutOutput:
         self.ctx.inputs, self.ctx.outputs = inputs, recomputed
         # Drop every reference the recomputation no longer needs: the autograd node holds the
         # recomputed graph until its backward, and nothing here may keep it alive after that.
-        self.ctx = self.outputs = self.run_function = self.rng_states = None
+        self.ctx = self.outputs = self.run_function = self.rng_states = self.fp8_state = None
         self._freed = []
 
 
