@@ -51,6 +51,7 @@ from megatron.core.parallel_layout import (  # noqa: F401 - upstream exports bot
 )
 from megatron.core.parallel_state_groups import *  # noqa: F401, F403 - see its __all__
 from megatron.core.parallel_state_groups import build_further_groups
+from megatron.core.parallel_state_groups import forget_created_groups as _forget_created_groups
 from megatron.core.parallel_state_ranks import *  # noqa: F401, F403 - see its __all__
 from megatron.core.parallel_state_store import (  # noqa: F401 - is_initialized: upstream's name
     GROUP_RANKS,
@@ -286,6 +287,7 @@ def destroy_model_parallel() -> None:
     every rank); the default group stays up for the next ``initialize_model_parallel``.
     """
     clear_groups()
+    _forget_created_groups()
     OVERRIDES.clear()
     destroy_global_memory_buffer()
 

@@ -85,8 +85,19 @@ __all__ = [
     "update_pg_timeout",
 ]
 
-# Every group created through create_group on this rank, for update_pg_timeout(pg=None).
+# Every group created through create_group on this rank since the last destroy_model_parallel,
+# for update_pg_timeout(pg=None).
 _CREATED_GROUPS: list = []
+
+
+def forget_created_groups() -> None:
+    """Drops this module's references to the groups :func:`create_group` made.
+
+    ``destroy_model_parallel`` calls it, as upstream clears its list of groups there: otherwise
+    every initialize / destroy cycle would keep its groups (and a gloo group's threads) alive
+    for the rest of the process, whatever the caller destroys.
+    """
+    _CREATED_GROUPS.clear()
 
 
 # --------------------------------------------------------------------------- group helpers

@@ -67,6 +67,27 @@ class TestModel(torch.nn.Module):
             self.layers[-1].weight.shared_embedding = True
 
 
+def _live_groups() -> set:
+    if not torch.distributed.is_initialized():
+        return set()
+    return set(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def _destroy_gloo_groups_since(before) -> None:
+    """Destroys the gloo groups created since ``before`` (a :func:`_live_groups` snapshot).
+
+    ``parallel_state.destroy_model_parallel`` only forgets its groups, as upstream's does; torch
+    keeps them, and each gloo group keeps its threads (about 20 per one-rank set-up), which
+    spin. Tests that set up and tear down hundreds of times would pile up thousands. NCCL
+    groups are left alone: destroying them is the ranks' joint business.
+    """
+    if before is None or not torch.distributed.is_initialized():
+        return
+    for group in _live_groups() - before:
+        if torch.distributed.get_backend(group) == "gloo":
+            torch.distributed.destroy_process_group(group)
+
+
 class Utils:
     """Process-wide distributed setup shared by the tests."""
 
@@ -75,6 +96,7 @@ class Utils:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     inited = False
     store = None
+    _groups_before = None  # the process groups alive before initialize_model_parallel
 
     @staticmethod
     def clear_nvte_env_vars():
@@ -152,8 +174,10 @@ class Utils:
     ):
         """(Re)initializes ``parallel_state`` on a fresh or running default group."""
         Utils.clear_nvte_env_vars()
-        ps.destroy_model_parallel()
+        Utils.destroy_model_parallel()
+        ps.destroy_model_parallel()  # also what a test set up through parallel_state directly
         Utils.initialize_distributed()
+        Utils._groups_before = _live_groups()
         ps.initialize_model_parallel(
             tensor_model_parallel_size,
             pipeline_model_parallel_size,
@@ -206,6 +230,8 @@ class Utils:
                 pass
         # Local bookkeeping only, so it is safe even when the barrier failed.
         ps.destroy_model_parallel()
+        _destroy_gloo_groups_since(Utils._groups_before)
+        Utils._groups_before = None
         Utils.inited = False
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
