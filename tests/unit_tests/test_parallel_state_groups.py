@@ -112,6 +112,34 @@ def test_create_group_and_timeout(single_rank):
     ps.update_pg_timeout(timedelta(minutes=30))
 
 
+def test_destroy_forgets_the_created_groups():
+    from megatron.core import parallel_state_groups
+
+    Utils.initialize_model_parallel(1, 1)
+    ps.create_group([0])
+    assert parallel_state_groups._CREATED_GROUPS
+    Utils.destroy_model_parallel()
+    # As upstream clears its group list: nothing of the last set-up stays referenced here.
+    assert parallel_state_groups._CREATED_GROUPS == []
+
+
+def test_harness_set_ups_leave_no_gloo_groups_behind():
+    # Each one-rank gloo group keeps threads; the harness destroys the ones a set-up made (NCCL
+    # groups, on a GPU machine, stay: destroying them is collective business).
+    Utils.initialize_distributed()
+    world = torch.distributed.distributed_c10d._world
+
+    def gloo_groups():
+        return [g for g in world.pg_map if torch.distributed.get_backend(g) == "gloo"]
+
+    before = len(gloo_groups())
+    for _ in range(2):
+        Utils.initialize_model_parallel(1, 1)
+        assert len(gloo_groups()) > before  # the data-parallel gloo copies
+        Utils.destroy_model_parallel()
+        assert len(gloo_groups()) == before
+
+
 def test_all_gather_groups_need_initialization():
     ps.destroy_model_parallel()
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):
