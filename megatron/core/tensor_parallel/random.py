@@ -19,6 +19,10 @@ machine without CUDA it manages the CPU default generator instead (``torch.get_r
 written for GPUs (``with get_cuda_rng_tracker().fork(): dropout(...)``) therefore runs, with the
 same stream semantics, on CPU-only machines.
 
+Graph-safe trackers (``use_cudagraphable_rng=True``, CUDA only) keep ``torch.Generator`` state
+objects instead of state tensors, for CUDA-graph capture; inference trackers
+(``inference_rng_tracker=True``) keep no streams at all.
+
 The second half of the module is activation checkpointing (``checkpoint``,
 ``CheckpointWithoutOutput`` and ``CheckpointWithoutOutputManager``): recomputation must replay the
 forward's random streams, so it lives next to them (and the module is longer than most). Its
@@ -474,7 +478,8 @@ def model_parallel_cuda_manual_seed(
 # Activation checkpointing recomputes a block's forward during backward. The recomputation must
 # draw the same random numbers as the original forward (dropout masks), so the CPU generator,
 # the device generator and every tracker stream are captured before the forward and replayed
-# around the recomputation, then put back.
+# around the recomputation, then put back (copies of graph-safe states, which change in place).
+# Transformer Engine's FP8 state is replayed too (checkpoint_fp8).
 
 
 def convert_cuda_rng_state(state, to_graphable: bool = False):
