@@ -424,7 +424,8 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 columns
-_BWD_PROBS_COLUMNS_PER_WARP = 256  # weighted: one row per program, 8 columns per thread
+# Weighted: one row per program, 8 columns per thread (blocks of >= 256 columns).
+_BWD_PROBS_COLUMNS_PER_WARP = 256
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
 # (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
@@ -530,7 +531,8 @@ def _probs_backward_plan(v, F: int, max_block_n: int, columns_per_warp: int, fas
     floor, candidates in turns; docs/performance.md, run 15): at F = 1536 (512-column blocks) two
     rows of 512 over 4 warps ran at 1.25, one row over 4 warps at 1.19, over 2 warps at 1.09 and
     over 1 warp at 1.19; at F = 8192 (1024-column blocks) one row over 4 warps ran at 1.07, over 2
-    warps at 1.10. Both optima hold eight columns per thread.
+    warps at 1.10. Both optima hold eight columns per thread; column blocks narrower than 256
+    (e.g. 128 at F = 384) get one warp and fewer columns per thread.
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, block_n // columns_per_warp)

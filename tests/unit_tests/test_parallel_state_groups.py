@@ -140,6 +140,18 @@ def test_harness_set_ups_leave_no_gloo_groups_behind():
         assert len(gloo_groups()) == before
 
 
+def test_harness_teardown_leaves_a_tests_own_groups_alone():
+    Utils.initialize_distributed()
+    Utils.initialize_model_parallel(1, 1)
+    own = torch.distributed.new_group([0], backend="gloo")
+    Utils.destroy_model_parallel()
+    try:
+        assert own in torch.distributed.distributed_c10d._world.pg_map
+        torch.distributed.barrier(own)
+    finally:
+        torch.distributed.destroy_process_group(own)
+
+
 def test_all_gather_groups_need_initialization():
     ps.destroy_model_parallel()
     with pytest.raises(RuntimeError, match="initialize_model_parallel"):

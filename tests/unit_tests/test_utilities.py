@@ -73,17 +73,26 @@ def _live_groups() -> set:
     return set(torch.distributed.distributed_c10d._world.pg_map)
 
 
-def _destroy_gloo_groups_since(before) -> None:
-    """Destroys the gloo groups created since ``before`` (a :func:`_live_groups` snapshot).
+def _parallel_state_groups() -> set:
+    """The groups ``parallel_state`` made (its group table and the groups of create_group)."""
+    from megatron.core import parallel_state_groups, parallel_state_store
+
+    return set(parallel_state_store.GROUPS.values()) | set(parallel_state_groups._CREATED_GROUPS)
+
+
+def _destroy_gloo_groups_since(before, made) -> None:
+    """Destroys the gloo groups in ``made`` created since ``before`` (a :func:`_live_groups`
+    snapshot).
 
     ``parallel_state.destroy_model_parallel`` only forgets its groups, as upstream's does; torch
     keeps them, and each gloo group keeps its threads (about 20 per one-rank set-up), which
-    spin. Tests that set up and tear down hundreds of times would pile up thousands. NCCL
-    groups are left alone: destroying them is the ranks' joint business.
+    spin. Tests that set up and tear down hundreds of times would pile up thousands. Only the
+    groups parallel_state made go (a test's own groups stay), and NCCL groups are left alone:
+    destroying them is the ranks' joint business.
     """
     if before is None or not torch.distributed.is_initialized():
         return
-    for group in _live_groups() - before:
+    for group in (_live_groups() - before) & made:
         if torch.distributed.get_backend(group) == "gloo":
             torch.distributed.destroy_process_group(group)
 
@@ -229,8 +238,9 @@ class Utils:
             except Exception:  # noqa: BLE001 - a broken group must not block the reset below
                 pass
         # Local bookkeeping only, so it is safe even when the barrier failed.
+        made = _parallel_state_groups()
         ps.destroy_model_parallel()
-        _destroy_gloo_groups_since(Utils._groups_before)
+        _destroy_gloo_groups_since(Utils._groups_before, made)
         Utils._groups_before = None
         Utils.inited = False
         if torch.cuda.is_available():

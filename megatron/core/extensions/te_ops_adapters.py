@@ -208,10 +208,19 @@ def _make_te_ops_basic_linear_from_mcore_te_linear(
 
     Raises:
         ValueError: ``module`` lacks ``config.tp_comm_overlap``, ``fuse_wgrad_accumulation``,
-            ``ub_name`` or ``weight`` (e.g. a plain ``te.pytorch.Linear``).
+            ``ub_name`` or ``weight`` (e.g. a plain ``te.pytorch.Linear``), or a
+            ``tensor_parallel_mode`` comes without its ``tensor_parallel_group``.
         RuntimeError: The Userbuffers overlap is configured and this TE cannot run it.
     """
     _validate_te_ops_adapter_module(module, module_name, _LINEAR_ATTRS)
+    if tensor_parallel_mode is not None and tensor_parallel_group is None:
+        # TE would split over the whole world, which need not be the group the weight was split
+        # over; the op's feature counts would then disagree with the aliased weight.
+        raise ValueError(
+            f"{module_name}: tensor_parallel_mode={tensor_parallel_mode!r} needs the "
+            "tensor_parallel_group the weight is split over; pass it (or leave the mode None at "
+            "tensor-parallel size 1)."
+        )
     weight = module.weight
     local_out, local_in = weight.shape
     tp_size = get_pg_size(tensor_parallel_group) if tensor_parallel_mode is not None else 1

@@ -8,9 +8,10 @@ to other math than the forward's, without any error. The forward therefore recor
 the forward ran without FP8, even when backward itself runs inside an autocast.
 
 Both phases also run inside TE's ``activation_recompute_forward``: in the forward TE keeps each
-module's scaling factors, and in the recomputation it restores them and leaves the amax history
-alone, so delayed scaling quantizes the recomputation exactly as it quantized the forward and
-does not count the block twice.
+module's scaling factors, and in the recomputation it restores them, so delayed scaling
+quantizes the recomputation exactly as it quantized the forward (the scales have moved on by
+then). Whatever TE itself does with the recomputation's amaxes is TE's own checkpoint's
+behaviour too; the recomputation sees the forward's inputs, so they are the forward's amaxes.
 
 Without Transformer Engine :func:`capture` returns None and both phases do nothing.
 """
@@ -38,7 +39,8 @@ class FP8State:
 
 
 def _state_manager():
-    # TE 2.x keeps it in ``quantization``; earlier versions (and an alias since) in ``fp8``.
+    # TE 2.x keeps it in ``quantization``; earlier versions (and an alias since) in ``fp8``. A TE
+    # without it has no FP8 autocast for its modules to read either, so there is nothing to replay.
     pytorch = te_import.te.pytorch
     for module_name in ("quantization", "fp8"):
         manager = getattr(getattr(pytorch, module_name, None), "FP8GlobalStateManager", None)
@@ -55,11 +57,15 @@ def capture() -> Optional[FP8State]:
     if manager is None:
         return None
     enabled = bool(manager.is_fp8_enabled())
+    calibrating = bool(manager.is_fp8_calibration())
+    # Calibration runs under a recipe too (recording amaxes without quantizing); without it the
+    # recomputation's autocast would fall back to TE's default recipe.
+    active = enabled or calibrating
     return FP8State(
         enabled=enabled,
-        calibrating=bool(manager.is_fp8_calibration()),
-        recipe=manager.get_fp8_recipe() if enabled else None,
-        group=manager.get_fp8_group() if enabled else None,
+        calibrating=calibrating,
+        recipe=manager.get_fp8_recipe() if active else None,
+        group=manager.get_fp8_group() if active else None,
     )
 
 

@@ -121,8 +121,17 @@ def _set_rng_state(state, graph_safe: bool = False) -> None:
 
 
 def _snapshot(state):
-    """A copy of ``state`` that later draws cannot advance (state tensors never change)."""
-    return state.clone_state() if isinstance(state, torch.Generator) else state
+    """A copy of ``state`` that later draws cannot advance (state tensors never change).
+
+    Not during CUDA-graph capture: a copy is a generator state no graph has registered, and
+    drawing from it there fails, so a block recomputed inside a capture runs on the live states,
+    as upstream's always does (the graph registered them; their replays draw fresh numbers).
+    """
+    if not isinstance(state, torch.Generator):
+        return state
+    if _use_cuda() and torch.cuda.is_current_stream_capturing():
+        return state
+    return state.clone_state()
 
 
 def _manual_seed(seed: int) -> None:

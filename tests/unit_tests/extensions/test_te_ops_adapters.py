@@ -216,6 +216,15 @@ def test_basic_linear_takes_global_feature_counts(fake_te, monkeypatch):
     assert given.args == (IN, 7)  # an explicit output_features wins, as upstream
 
 
+@pytest.mark.parametrize("mode", ["column", "row"])
+def test_basic_linear_refuses_a_mode_without_its_group(fake_te, mode):
+    # TE would split over the whole world, whatever group the weight was split over.
+    with pytest.raises(ValueError, match=rf"tensor_parallel_mode='{mode}'.*tensor_parallel_group"):
+        adapters._make_te_ops_basic_linear_from_mcore_te_linear(
+            MegatronLinear(), module_name="fc", tensor_parallel_mode=mode
+        )
+
+
 @pytest.mark.parametrize(
     "overlap,ub_name,passed",
     [(True, "fc1", {"comm_name": "fc1"}), (True, None, None), (False, "fc1", None)],

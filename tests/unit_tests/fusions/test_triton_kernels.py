@@ -77,8 +77,10 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
     probabilities a block is one row (``_probs_backward_plan``); without, two."""
     from mcore_activations.fusions import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 4)  # 2 row programs per column block
-    for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # 2 rows per block at 128 columns
+    # 4 programs over the column blocks: 2 row programs per column block for the non-gated
+    # kernel (2 blocks), 1 for the gated one (3 blocks), each looping over several row blocks.
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 4)
+    for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # unweighted: 2 rows per block at 128 columns
         monkeypatch.setattr(triton_kernels, constant, 256)
     with use_kernel_backend("triton"):
         check_against_reference(

@@ -173,6 +173,18 @@ def test_older_te_replays_through_fp8_autocast_and_the_fp8_module(monkeypatch):
     assert seen == [(True, True, recipe)]
 
 
+def test_calibration_keeps_its_recipe_for_the_recomputation(fake_te):
+    recipe = object()
+    with fake_te.pytorch.autocast(enabled=False, recipe=recipe, calibrating=True):
+        state = checkpoint_fp8.capture()
+    assert state == checkpoint_fp8.FP8State(False, True, recipe, None)
+    seen = []
+    with checkpoint_fp8.recompute_phase(state):
+        manager = fake_te.manager
+        seen.append((manager.enabled, manager.calibrating, manager.recipe))
+    assert seen == [(False, True, recipe)]
+
+
 def test_without_te_nothing_is_captured_or_entered(monkeypatch):
     monkeypatch.setattr(te_import, "HAVE_TE", False)
     assert checkpoint_fp8.capture() is None

@@ -91,6 +91,19 @@ def test_inference_tracker_class_is_built_once_per_base():
     assert issubclass(first, CudaRNGStatesTracker)
 
 
+def test_recomputation_copies_graph_safe_states_except_during_capture(monkeypatch):
+    # Copies keep a recomputation on the forward's numbers; inside a CUDA-graph capture only
+    # the registered (live) states can be drawn from, so they are used as they are.
+    state = torch.Generator().manual_seed(3)
+    copy = tp_random._snapshot(state)
+    assert copy is not state and torch.equal(copy.get_state(), state.get_state())
+    tensor_state = torch.get_rng_state()
+    assert tp_random._snapshot(tensor_state) is tensor_state
+    monkeypatch.setattr(tp_random, "_use_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tp_random._snapshot(state) is state
+
+
 # ------------------------------------------------------------------------------- GPU tier
 
 
