@@ -358,7 +358,6 @@ def _with_constants(tk, constants: dict, fn):
 def bench_glu(spec, rows, ffn, dtype):
     """Raw GLU kernels at two widest column blocks, torch.compile and TE, timed in turns."""
     from mcore_activations.fusions import triton_kernels as tk
-    from tools.benchmark_activations import compile_candidate
 
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
     x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
@@ -395,18 +394,28 @@ def bench_glu(spec, rows, ffn, dtype):
     for label, constants in backward_cases.items():
         check_formulation(label, _result(tk, constants, backward), reference_dx)
         bwd[label] = _with_constants(tk, constants, backward)
+    _add_compile_and_te(fwd, spec, x)
+    return _over_floor(fwd) | _over_floor(bwd)
+
+
+def _over_floor(group: dict) -> dict:
+    """``{label: time / floor}`` for a group of candidates that includes ``"floor"``, timed in
+    turns without gradients."""
+    with torch.no_grad():
+        times = time_interleaved(group)
+    floor = times.pop("floor")
+    return {label: t / floor for label, t in times.items()}
+
+
+def _add_compile_and_te(group: dict, spec, x) -> None:
+    """Adds torch.compile's forward of ``spec`` on ``x`` and TE's (when TE has the op)."""
+    from tools.benchmark_activations import compile_candidate
+
     compiled = compile_candidate(spec, False)
-    fwd["torch.compile"] = lambda: compiled(x, None)
+    group["torch.compile"] = lambda: compiled(x, None)
     te = te_candidate(spec, False)
     if te is not None:
-        fwd["TE"] = lambda: te(x, None)
-    row = {}
-    with torch.no_grad():
-        for group in (fwd, bwd):
-            times = time_interleaved(group)
-            floor = times.pop("floor")
-            row |= {label: t / floor for label, t in times.items()}
-    return row
+        group["TE"] = lambda: te(x, None)
 
 
 def _result(tk, constants, fn):
@@ -468,10 +477,7 @@ def bench_reduce(spec, rows, ffn, dtype):
                 scale = reference[2].abs().max().item()
                 torch.testing.assert_close(out[2], reference[2], rtol=1e-4, atol=1e-4 * scale)
             group[label] = _with_constants(tk, constants, backward)
-        with torch.no_grad():
-            times = time_interleaved(group)
-        floor = times.pop("floor")
-        row |= {label: t / floor for label, t in times.items()}
+        row |= _over_floor(group)
     return row
 
 
@@ -487,7 +493,6 @@ FP32_FWD_CONFIGS += [(8192, 8, 2048), (2048, 4, 1024), (4096, 8, 1024), (1024, 4
 def bench_fp32(spec, rows, ffn):
     """Float32 forward launch shapes next to torch.compile and TE, all in turns."""
     from mcore_activations.fusions import triton_kernels as tk
-    from tools.benchmark_activations import compile_candidate
 
     dtype = torch.float32
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
@@ -504,15 +509,8 @@ def bench_fp32(spec, rows, ffn):
         label = f"fwd {tile}/{warps}/{max_n}"
         check_formulation(label, _result(tk, constants, forward), reference)
         group[label] = _with_constants(tk, constants, forward)
-    compiled = compile_candidate(spec, False)
-    group["torch.compile"] = lambda: compiled(x, None)
-    te = te_candidate(spec, False)
-    if te is not None:
-        group["TE"] = lambda: te(x, None)
-    with torch.no_grad():
-        times = time_interleaved(group)
-    floor = times.pop("floor")
-    return {label: t / floor for label, t in times.items()}
+    _add_compile_and_te(group, spec, x)
+    return _over_floor(group)
 
 
 def bench_weighted(spec, rows, ffn, dtype):

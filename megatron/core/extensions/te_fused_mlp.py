@@ -31,6 +31,7 @@ from megatron.core.extensions.te_linears import (
     TERowParallelLinear,
     _is_empty,
 )
+from megatron.core.extensions.te_ops_adapters import _te_ops_userbuffers_options
 from megatron.core.extensions.te_recipes import (
     TEFusedRecipeError,
     check_fused_recipe_runs_here,
@@ -121,7 +122,7 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
                 f"{type(fc2).__name__}."
             )
         for linear in (fc1, fc2):
-            self._userbuffers_options(linear)  # a configured overlap this TE cannot run
+            _te_ops_userbuffers_options(linear)  # a configured overlap this TE cannot run
 
     def _make_fused_impl(self):
         self._check_fused_linears()

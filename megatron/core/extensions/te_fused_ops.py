@@ -142,8 +142,6 @@ class TEFusedOpsMixin:
     _get_te_ops_rng_state_tracker_function = staticmethod(
         adapters._get_te_ops_rng_state_tracker_function
     )
-    _require_attrs = staticmethod(adapters._validate_te_ops_adapter_module)
-    _userbuffers_options = staticmethod(adapters._te_ops_userbuffers_options)
     _make_te_ops_rmsnorm_from_te_rmsnorm = staticmethod(
         adapters._make_te_ops_rmsnorm_from_te_rmsnorm
     )

@@ -99,6 +99,16 @@ def _get_te_ops_rng_state_tracker_function() -> Optional[Callable]:
     return _rng_tracker_function()
 
 
+def _norm_op_kwargs(module: Any, weight: torch.Tensor) -> dict:
+    # What every TE norm op takes from its source module: built on the meta device, then aliased.
+    return dict(
+        eps=module.eps,
+        device="meta",
+        dtype=weight.dtype,
+        zero_centered_gamma=module.zero_centered_gamma,
+    )
+
+
 def _make_te_ops_rmsnorm_from_te_rmsnorm(module: Any, module_name: str):
     """An ``ops.RMSNorm`` computing ``module`` (a ``te.pytorch.RMSNorm``) with its weight.
 
@@ -109,12 +119,7 @@ def _make_te_ops_rmsnorm_from_te_rmsnorm(module: Any, module_name: str):
     """
     _validate_te_ops_adapter_module(module, module_name, _RMSNORM_ATTRS)
     weight = module.weight
-    kwargs = dict(
-        eps=module.eps,
-        device="meta",
-        dtype=weight.dtype,
-        zero_centered_gamma=module.zero_centered_gamma,
-    )
+    kwargs = _norm_op_kwargs(module, weight)
     if hasattr(module, "_sm_margins"):
         kwargs["sm_margin"] = module._sm_margins
     op = te_import.te.pytorch.ops.RMSNorm(weight.shape, **kwargs)
@@ -132,12 +137,7 @@ def _make_te_ops_norm_from_mcore_te_layernorm_linear(module: Any, module_name: s
     """
     _validate_te_ops_adapter_module(module, module_name, _LAYERNORM_LINEAR_ATTRS)
     norm_weight = module.layer_norm_weight
-    kwargs = dict(
-        eps=module.eps,
-        device="meta",
-        dtype=norm_weight.dtype,
-        zero_centered_gamma=module.zero_centered_gamma,
-    )
+    kwargs = _norm_op_kwargs(module, norm_weight)
     ops = te_import.te.pytorch.ops
     features = module.weight.size(1)
     if module.normalization == "LayerNorm":

@@ -115,11 +115,6 @@ def test_mixin_methods_are_the_adapter_functions(method):
     assert getattr(TEFusedOpsMixin, method) is getattr(adapters, method)
 
 
-def test_mixin_keeps_its_older_helper_names():
-    assert TEFusedOpsMixin._require_attrs is adapters._validate_te_ops_adapter_module
-    assert TEFusedOpsMixin._userbuffers_options is adapters._te_ops_userbuffers_options
-
-
 def test_mixin_tensor_parallel_context(monkeypatch):
     group = fake_group(monkeypatch)
     holder = SimpleNamespace(tp_group=group)
