@@ -231,7 +231,6 @@ def _activation_fwd_kernel(
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     FAST_DIV: tl.constexpr,
-    EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -245,10 +244,8 @@ def _activation_fwd_kernel(
     if GATED:
         x_row = x_ptr + row64 * (2 * F)
         gcol, lcol = _glu_columns(cols, F, INTERLEAVE)
-        gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-        lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-        gate = gate.to(tl.float32)
-        lin = lin.to(tl.float32)
+        gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             gate += tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             lin += tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -257,8 +254,7 @@ def _activation_fwd_kernel(
         )
         y = act * lin
     else:
-        h = tl.load(x_ptr + row64 * F + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-        h = h.to(tl.float32)
+        h = tl.load(x_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             h += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         y, _ = _unary_terms(h, params_ptr, KIND, GATE_TANH, FAST_DIV)
@@ -283,7 +279,6 @@ def _unary_fwd_flat_kernel(
     HAS_PROBS: tl.constexpr,
     WIDE: tl.constexpr,
     FAST_DIV: tl.constexpr,
-    EVICT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # A non-gated activation is elementwise over the contiguous [rows, F] input, which is the
@@ -293,7 +288,7 @@ def _unary_fwd_flat_kernel(
     start = tl.program_id(0).to(tl.int64) * BLOCK if WIDE else tl.program_id(0) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     ok = offs < n
-    h = tl.load(x_ptr + offs, mask=ok, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    h = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         h += tl.load(bias_ptr + offs % F, mask=ok, other=0.0).to(tl.float32)
     y, _ = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP, FAST_DIV)
@@ -313,7 +308,6 @@ def _unary_bwd_flat_kernel(
     SOFT_CLAMP: tl.constexpr,
     WIDE: tl.constexpr,
     FAST_DIV: tl.constexpr,
-    EVICT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # The non-gated backward without bias or probabilities has no reduction: dx = grad * act'(x)
@@ -321,8 +315,8 @@ def _unary_bwd_flat_kernel(
     start = tl.program_id(0).to(tl.int64) * BLOCK if WIDE else tl.program_id(0) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     ok = offs < n
-    h = tl.load(x_ptr + offs, mask=ok, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    g = tl.load(grad_ptr + offs, mask=ok, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    h = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     _, d = _unary_terms(h, params_ptr, KIND, SOFT_CLAMP, FAST_DIV)
     tl.store(dx_ptr + offs, (g * d).to(dx_ptr.dtype.element_ty), mask=ok)
 
@@ -349,7 +343,6 @@ def _activation_bwd_kernel(
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     FAST_DIV: tl.constexpr,
-    EVICT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -376,10 +369,7 @@ def _activation_bwd_kernel(
         row_ok = row < rows
         mask = row_ok[:, None] & col_ok[None, :]
         row64 = row.to(tl.int64)[:, None]
-        g = tl.load(
-            grad_ptr + row64 * F + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT
-        )
-        g = g.to(tl.float32)
+        g = tl.load(grad_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PROBS:
             p = tl.load(probs_ptr + row, mask=row_ok, other=0.0).to(tl.float32)[:, None]
             g_scaled = g * p
@@ -387,10 +377,8 @@ def _activation_bwd_kernel(
             g_scaled = g
         x_row = x_ptr + row64 * W
         if GATED:
-            gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-            lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-            gate = gate.to(tl.float32)
-            lin = lin.to(tl.float32)
+            gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+            lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 gate += bias_g
                 lin += bias_l
@@ -408,8 +396,7 @@ def _activation_bwd_kernel(
             if HAS_PROBS:
                 unscaled = act * lin
         else:
-            h = tl.load(x_row + cols[None, :], mask=mask, other=0.0, eviction_policy=EVICT)
-            h = h.to(tl.float32)
+            h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 h += bias_g
             y, d = _unary_terms(h, params_ptr, KIND, GATE_TANH, FAST_DIV)
@@ -460,9 +447,6 @@ _FLAT_UNARY = True
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
 _BIAS_PROGRAMS = 1024
-# Eviction policy of the streamed loads (input and output gradient, each element read once):
-# "" (the default policy) or "evict_first" (tools/benchmark_kernel_variants.py --experiment evict).
-_STREAM_EVICTION = ""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -496,7 +480,7 @@ def _fast_div(itemsize: int) -> bool:
 
 @functools.cache
 def _plan(
-    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool, evict: str = ""
+    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
@@ -514,7 +498,6 @@ def _plan(
         HAS_PROBS=v.has_probs,
         INTERLEAVE=v.interleave or 0,
         FAST_DIV=fast_div,
-        EVICT=evict,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -525,29 +508,22 @@ def _plan(
 
 
 def _forward_plan(v, F, itemsize: int):
-    fast_div = _fast_div(itemsize)
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, fast_div, _STREAM_EVICTION)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, _fast_div(itemsize))
 
 
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if v.has_probs:
-        return _probs_backward_plan(
-            v, F, _BWD_MAX_BLOCK_N, _BWD_PROBS_COLUMNS_PER_WARP, fast_div, _STREAM_EVICTION
-        )
+        return _probs_backward_plan(v, F, _BWD_MAX_BLOCK_N, _BWD_PROBS_COLUMNS_PER_WARP, fast_div)
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
         # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
-        return _plan(
-            v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div, _STREAM_EVICTION
-        )
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div, _STREAM_EVICTION)
+        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div)
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div)
 
 
 @functools.cache
-def _probs_backward_plan(
-    v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool, evict: str = ""
-):
+def _probs_backward_plan(v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool):
     """One row per program and eight columns per thread, for the backward with probabilities.
 
     The probability gradient is a sum over each row, so every program ends in a cross-warp
@@ -560,7 +536,7 @@ def _probs_backward_plan(
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, block_n // columns_per_warp)
-    return _plan(v, F, block_n, warps, max_block_n, fast_div, evict)
+    return _plan(v, F, block_n, warps, max_block_n, fast_div)
 
 
 def _contiguous(*tensors):
@@ -661,9 +637,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
 
 
 @functools.cache
-def _flat_plan(
-    v, kernel, block: int, warps: int, wide: bool, fast_div: bool, evict: str = ""
-) -> tuple:
+def _flat_plan(v, kernel, block: int, warps: int, wide: bool, fast_div: bool) -> tuple:
     """``(BLOCK, None, compile-time kwargs, their values in signature order)`` of a flat kernel."""
     values = dict(
         KIND=v.kind,
@@ -672,7 +646,6 @@ def _flat_plan(
         HAS_PROBS=v.has_probs,
         WIDE=wide,
         FAST_DIV=fast_div,
-        EVICT=evict,
         BLOCK=block,
     )
     params = [name for name in kernel.arg_names if name in values]
@@ -686,8 +659,7 @@ def _flat_shape(v, kernel, n: int, itemsize: int) -> tuple:
     else:
         block, warps = _FLAT_BLOCK, _FLAT_WARPS
     # int32 offsets unless the last block's offsets pass 2**31 (program_id * BLOCK is int32).
-    wide = n + block >= 2**31
-    return _flat_plan(v, kernel, block, warps, wide, _fast_div(itemsize), _STREAM_EVICTION)
+    return _flat_plan(v, kernel, block, warps, n + block >= 2**31, _fast_div(itemsize))
 
 
 def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
