@@ -37,6 +37,8 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``fp32``: float32 forward launch shapes next to torch.compile and TE, in turns.
 - ``turns``: the raw forward and backward against the path's forward and forward+backward,
   torch.compile and TE, and two copies (the floor of two kernels), with more repeats.
+- ``host-at-shape``: the host time of one forward+backward at the given shape, with the GPU
+  idle and busy (does a call wait for the GPU?), next to its GPU time, and a cProfile.
 - ``weighted``: forward+backward through ``fused_activation`` with and without probabilities,
   in turns and alone (the weighted-within-5 % target), with the host time per call.
 - ``host``: per-call host cost of each layer on a tiny input (the kernel launch, the op, the
@@ -579,6 +581,79 @@ def bench_turns(spec, rows, ffn, dtype, repeats=15):
     return row
 
 
+def bench_host_at_shape(spec, rows, ffn, dtype):
+    """Host time of one forward+backward at a large shape, and whether the host waits for the GPU.
+
+    For the path (``fused_activation``), the raw kernels and TE's op: the GPU time per call in
+    turns with head starts of 0.25 and 2 ms; the host's wall time per call over 50 calls without
+    synchronising, once right after a synchronisation (``host us``) and once behind 200 ms of
+    queued GPU sleep (``host us, GPU busy``). If the second is much larger than the first, a call
+    waits for the GPU somewhere (a hidden synchronisation); if both exceed the GPU time, the
+    path is host-bound at this shape. Prints a cProfile of the path's calls behind the sleep.
+    """
+    import cProfile
+    import pstats
+    import time
+
+    from mcore_activations.fusions import triton_kernels as tk
+    from mcore_activations.fusions.fused_activation import fused_activation
+    from tools.benchmark_activations import _sleep_cycles
+
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    xg = x.clone().requires_grad_()
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+
+    def fwd_bwd(fn):
+        def call():
+            xg.grad = None
+            fn(xg).backward(grad)
+
+        return call
+
+    def raw():
+        tk.triton_forward(variant, x, None, None, params)
+        tk.triton_backward(variant, grad, x, None, None, params)
+
+    group = {
+        "floor": copy_fn(rows * 8 * ffn * dtype.itemsize),
+        "path": fwd_bwd(lambda t: fused_activation(t, spec)),
+        "raw": raw,
+    }
+    te = te_candidate(spec, False)
+    if te is not None:
+        group["TE"] = fwd_bwd(lambda t: te(t, None))
+    row = {}
+    for head_start in (0.25, 2.0):
+        times = time_interleaved(group, repeats=11, head_start_ms=head_start)
+        floor = times.pop("floor")
+        row |= {f"{label} / floor, {head_start} ms": t / floor for label, t in times.items()}
+    busy = _sleep_cycles(200.0)
+    for label, fn in group.items():
+        if label == "floor":
+            continue
+        for ahead, suffix in ((False, ""), (True, ", GPU busy")):
+            torch.cuda.synchronize()
+            if ahead:
+                torch.cuda._sleep(busy)
+            start = time.perf_counter()
+            for _ in range(50):
+                fn()
+            row[f"{label} host us{suffix}"] = (time.perf_counter() - start) / 50 * 1e6
+            torch.cuda.synchronize()
+    torch.cuda._sleep(busy)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(50):
+        group["path"]()
+    profile.disable()
+    torch.cuda.synchronize()
+    print(f"\n50 forward+backward calls of {spec.name}, {rows} x {ffn}, GPU busy")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+    return row
+
+
 def bench_weighted(spec, rows, ffn, dtype):
     """Forward+backward through ``fused_activation`` with and without probabilities, in turns.
 
@@ -785,6 +860,7 @@ def main(argv=None):
         "fp32",
         "weighted",
         "turns",
+        "host-at-shape",
         "path",
     ]
     experiments.append("host")
@@ -843,6 +919,12 @@ def main(argv=None):
             n: bench_turns(s, args.rows, args.ffn, d) for n, (s, d) in TURNS_CASES.items()
         }
         _print_table("raw kernels against the path, in turns", results["turns"])
+    if args.experiment in ("host-at-shape", "all"):
+        results["host-at-shape"] = {
+            n: bench_host_at_shape(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
+        }
+        title = "forward+backward at this shape: GPU time and host time per call"
+        _print_table(title, results["host-at-shape"], unit="ratio, us", digits=2)
     if args.experiment in ("path", "all"):
         results["path"] = {
             n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
