@@ -20,8 +20,8 @@ forward and forward+backward of:
 run: forward reads the input and writes the output; backward reads the input and the output
 gradient and writes the input gradient. Each time is the median over repeats of a batch of
 back-to-back calls between two CUDA events, divided by the batch size: a call whose host side is
-slower than its kernels shows up as host time, as it would in training (each batch starts behind
-a short GPU sleep, so the first call's host time is not counted as GPU time; see
+slower than its kernels shows up as host time, as it would in training (an untimed call primes
+each batch, so the first timed call's host time is not counted as GPU time; see
 ``time_interleaved``). The candidates of a row
 (floor included) take turns within every repeat, so drift of the card's state during a row is
 shared by all of them rather than charged to whichever ran first.
@@ -30,7 +30,6 @@ shared by all of them rather than charged to whichever ran first.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import platform
 import statistics
@@ -78,16 +77,12 @@ SWEEP_T = [256, 4096, 65536]
 SWEEP_H = [1024, 2880, 8192, 16384]  # 2880 (gpt-oss) is not a multiple of 128
 
 
-# GPU work queued ahead of each timed batch (see time_interleaved).
-HEAD_START_MS = 0.25
-
-
-def time_ms(fn, calls=10, repeats=7, warmup=3, head_start_ms=HEAD_START_MS):
+def time_ms(fn, calls=10, repeats=7, warmup=3, prime=True):
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back ``fn()`` calls."""
-    return time_interleaved({"fn": fn}, calls, repeats, warmup, head_start_ms)["fn"]
+    return time_interleaved({"fn": fn}, calls, repeats, warmup, prime)["fn"]
 
 
-def time_interleaved(fns, calls=10, repeats=7, warmup=3, head_start_ms=HEAD_START_MS):
+def time_interleaved(fns, calls=10, repeats=7, warmup=3, prime=True):
     """``{label: ms}`` for each of ``fns``, timed in turns: each repeat times every candidate
     once, starting one further along the list each time.
 
@@ -96,18 +91,18 @@ def time_interleaved(fns, calls=10, repeats=7, warmup=3, head_start_ms=HEAD_STAR
     candidate came first in a row read a few percent slower than its neighbours. Turns spread
     that drift over all of them, so ratios within a row compare like with like.
 
-    Each batch starts behind ``head_start_ms`` of GPU sleep queued before its start event, so
-    the host enqueues the first call while the GPU is still busy, as it is in training, where
-    the host runs ahead. Without it the first call's host time (30-200 us: more for a Python
-    autograd path than for a bare kernel) counted as GPU time, up to 2 % of a 20-call batch of
-    0.5 ms calls (docs/performance.md, run 24). A batch bound by its host side still measures
-    host time: the head start covers only the first call.
+    ``prime``: each batch is preceded by one untimed call of the same candidate, queued before
+    the start event, so the host enqueues the first timed call while the GPU still runs that
+    one, as in a training loop, where the host runs ahead. Unprimed, the first call's host time
+    (about 40 us for bare kernels, 200-350 us for a Python autograd forward+backward, this
+    project's or TE's) counted as GPU time: 0.05-0.06 of the copy floor for a 10-call batch at
+    16384 x 8192 (docs/performance.md, runs 24-25). A call whose host side is slower than its
+    kernels still measures host time: the priming call covers only the first one.
     """
     labels = list(fns)
     for label in labels:
         for _ in range(warmup):
             fns[label]()
-    cycles = _sleep_cycles(head_start_ms) if head_start_ms else 0
     torch.cuda.synchronize()
     times = {label: [] for label in labels}
     for r in range(repeats):
@@ -115,8 +110,8 @@ def time_interleaved(fns, calls=10, repeats=7, warmup=3, head_start_ms=HEAD_STAR
             label = labels[(r + i) % len(labels)]
             fn = fns[label]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if cycles:
-                torch.cuda._sleep(cycles)
+            if prime:
+                fn()
             start.record()
             for _ in range(calls):
                 fn()
@@ -124,19 +119,6 @@ def time_interleaved(fns, calls=10, repeats=7, warmup=3, head_start_ms=HEAD_STAR
             torch.cuda.synchronize()
             times[label].append(start.elapsed_time(end) / calls)
     return {label: statistics.median(t) for label, t in times.items()}
-
-
-@functools.cache
-def _sleep_cycles(ms: float) -> int:
-    """Clock cycles ``torch.cuda._sleep`` spins for about ``ms`` on this card (measured once)."""
-    probe = 1_000_000
-    torch.cuda._sleep(probe)  # the first call pays for loading the kernel
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    torch.cuda.synchronize()
-    return max(1, int(probe * ms / start.elapsed_time(end)))
 
 
 def copy_fn(nbytes):

@@ -34,7 +34,8 @@ may contract multiply-adds differently from eager) before it is timed.
 - ``reduce``: the GLU backward's one-row plan (tile elements, warps) with and without
   probabilities, in turns: the probability gradient is a per-row sum with a barrier in every
   program, so its best shape can differ from the unweighted one.
-- ``fp32``: float32 forward launch shapes next to torch.compile and TE, in turns.
+- ``launch``: GLU forward and backward launch shapes (bf16 kinds and float32) next to
+  torch.compile and TE, in turns (run 15's ``fp32`` experiment, grown).
 - ``turns``: the raw forward and backward against the path's forward and forward+backward,
   torch.compile and TE, and two copies (the floor of two kernels), with more repeats.
 - ``host-at-shape``: the host time of one forward+backward at the given shape, with the GPU
@@ -48,6 +49,7 @@ may contract multiply-adds differently from eager) before it is timed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -62,7 +64,6 @@ from mcore_activations.activation_spec import (  # noqa: E402
 )
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from tools.benchmark_activations import (  # noqa: E402
-    HEAD_START_MS,
     copy_fn,
     copy_ms,
     te_candidate,
@@ -491,31 +492,61 @@ def _next_pow2(n: int) -> int:
 
 
 # (tile elements, warps, widest column block) of the forward plan, for the float32 rows.
-FP32_FWD_CONFIGS = [(4096, 8, 2048), (2048, 4, 2048), (2048, 8, 2048), (4096, 4, 2048)]
-FP32_FWD_CONFIGS += [(8192, 8, 2048), (2048, 4, 1024), (4096, 8, 1024), (1024, 4, 1024)]
+# (tile elements, warps, widest column block). Forward: the current plan first, then
+# Inductor-like one-row blocks of 8 elements per thread, and wider or taller tiles.
+LAUNCH_FWD_CONFIGS = [(4096, 8, 2048), (1024, 4, 1024), (2048, 8, 2048), (2048, 4, 2048)]
+LAUNCH_FWD_CONFIGS += [(4096, 4, 2048), (8192, 8, 2048), (2048, 4, 1024), (1024, 2, 1024)]
+# Backward of an unweighted GLU (the one-row plan's tile, warps, widest block): current first.
+LAUNCH_BWD_CONFIGS = [(1024, 4, 1024), (512, 2, 512), (1024, 2, 1024), (2048, 8, 2048)]
+LAUNCH_BWD_CONFIGS += [(2048, 4, 1024), (512, 1, 512)]
+LAUNCH_CASES = {
+    name: GLU_CASES[name]
+    for name in ("SwiGLU", "ReGLU", "SwiGLU(clamp=7)", "GEGLU", "SwiGLU(clamp=7), fp32")
+}
 
 
-def bench_fp32(spec, rows, ffn):
-    """Float32 forward launch shapes next to torch.compile and TE, all in turns."""
+def bench_launch(spec, rows, ffn, dtype):
+    """GLU forward and backward launch shapes next to torch.compile and TE, in turns.
+
+    The forward candidates vary the tile (``_FWD_TILE``, ``_FWD_WARPS``, ``_FWD_MAX_BLOCK_N``),
+    the backward ones the unweighted GLU plan (``_BWD_TILE_ROW``, ``_BWD_WARPS_ROW``,
+    ``_BWD_MAX_BLOCK_N``); each is checked against the current plan's result first.
+    """
     from mcore_activations.fusions import triton_kernels as tk
 
-    dtype = torch.float32
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
     x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
     params = ak.params_tensor(ak.spec_params(spec), x.device)
 
     def forward():
         return tk.triton_forward(variant, x, None, None, params)
 
+    def backward():
+        return tk.triton_backward(variant, grad, x, None, None, params)[0]
+
+    fwd = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
     reference = forward()
-    group = {"floor": copy_fn(rows * 3 * ffn * dtype.itemsize)}
-    for tile, warps, max_n in FP32_FWD_CONFIGS:
+    for tile, warps, max_n in LAUNCH_FWD_CONFIGS:
         constants = {"_FWD_TILE": tile, "_FWD_WARPS": warps, "_FWD_MAX_BLOCK_N": max_n}
         label = f"fwd {tile}/{warps}/{max_n}"
         check_formulation(label, _result(tk, constants, forward), reference)
-        group[label] = _with_constants(tk, constants, forward)
-    _add_compile_and_te(group, spec, x)
-    return _over_floor(group)
+        fwd[label] = _with_constants(tk, constants, forward)
+    _add_compile_and_te(fwd, spec, x)
+    bwd = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
+    reference = backward()
+    for tile, warps, max_n in LAUNCH_BWD_CONFIGS:
+        constants = {"_BWD_TILE_ROW": tile, "_BWD_WARPS_ROW": warps, "_BWD_MAX_BLOCK_N": max_n}
+        label = f"bwd {tile}/{warps}/{max_n}"
+        check_formulation(label, _result(tk, constants, backward), reference)
+        bwd[label] = _with_constants(tk, constants, backward)
+    row = {}
+    for group in (fwd, bwd):
+        with torch.no_grad():
+            times = time_interleaved(group, repeats=11)
+        floor = times.pop("floor")
+        row |= {label: t / floor for label, t in times.items()}
+    return row
 
 
 TURNS_CASES = {
@@ -532,7 +563,7 @@ def bench_turns(spec, rows, ffn, dtype, repeats=15):
     backward; forward+backward through ``fused_activation`` next to TE's and to two copies (a
     forward- and a backward-sized one: the floor of two kernels). Where the path reads slower
     than its raw kernels, the difference is in the path or in how it is timed, not in the kernels.
-    Every group is timed twice: with the head start of ``time_interleaved`` and without it.
+    Every group is timed twice: primed, as ``time_interleaved`` does by default, and unprimed.
     """
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
@@ -572,24 +603,37 @@ def bench_turns(spec, rows, ffn, dtype, repeats=15):
         both["TE f+b"] = fwd_bwd(lambda t: te(t, None))
     row = {}
     groups = ((fwd, torch.no_grad), (bwd, torch.no_grad), (both, torch.enable_grad))
-    for head_start, suffix in ((HEAD_START_MS, ""), (0.0, ", no head start")):
+    for prime, suffix in ((True, ""), (False, ", unprimed")):
         for group, grad_mode in groups:
             with grad_mode():
-                times = time_interleaved(group, repeats=repeats, head_start_ms=head_start)
+                times = time_interleaved(group, repeats=repeats, prime=prime)
             floor = times.pop("floor")
             row |= {f"{label}{suffix}": t / floor for label, t in times.items()}
     return row
+
+
+@functools.cache
+def _sleep_cycles(ms: float) -> int:
+    """Clock cycles ``torch.cuda._sleep`` spins for about ``ms`` on this card (measured once)."""
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # the first call pays for loading the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    return max(1, int(probe * ms / start.elapsed_time(end)))
 
 
 def bench_host_at_shape(spec, rows, ffn, dtype):
     """Host time of one forward+backward at a large shape, and whether the host waits for the GPU.
 
     For the path (``fused_activation``), the raw kernels and TE's op: the GPU time per call in
-    turns with head starts of 0.25 and 2 ms; the host's wall time per call over 50 calls without
-    synchronising, once right after a synchronisation (``host us``) and once behind 200 ms of
-    queued GPU sleep (``host us, GPU busy``). If the second is much larger than the first, a call
-    waits for the GPU somewhere (a hidden synchronisation); if both exceed the GPU time, the
-    path is host-bound at this shape. Prints a cProfile of the path's calls behind the sleep.
+    turns, primed and unprimed (``time_interleaved``); the host's wall time per call over 50 calls
+    without synchronising, once right after a synchronisation (``host us``) and once behind 200
+    ms of queued GPU sleep (``host us, GPU busy``). If the second is much larger than the first,
+    a call waits for the GPU somewhere (a hidden synchronisation); if both exceed the GPU time,
+    the path is host-bound at this shape. Prints a cProfile of the path's calls behind the sleep.
     """
     import cProfile
     import pstats
@@ -597,7 +641,6 @@ def bench_host_at_shape(spec, rows, ffn, dtype):
 
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
-    from tools.benchmark_activations import _sleep_cycles
 
     variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
     x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
@@ -625,10 +668,10 @@ def bench_host_at_shape(spec, rows, ffn, dtype):
     if te is not None:
         group["TE"] = fwd_bwd(lambda t: te(t, None))
     row = {}
-    for head_start in (0.25, 2.0):
-        times = time_interleaved(group, repeats=11, head_start_ms=head_start)
+    for prime, suffix in ((True, ", primed"), (False, ", unprimed")):
+        times = time_interleaved(group, repeats=11, prime=prime)
         floor = times.pop("floor")
-        row |= {f"{label} / floor, {head_start} ms": t / floor for label, t in times.items()}
+        row |= {f"{label} / floor{suffix}": t / floor for label, t in times.items()}
     busy = _sleep_cycles(200.0)
     for label, fn in group.items():
         if label == "floor":
@@ -857,7 +900,7 @@ def main(argv=None):
         "flat",
         "glu",
         "reduce",
-        "fp32",
+        "launch",
         "weighted",
         "turns",
         "host-at-shape",
@@ -905,9 +948,11 @@ def main(argv=None):
             n: bench_reduce(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
         }
         _print_table("GLU backward row plans, with and without probs, in turns", results["reduce"])
-    if args.experiment in ("fp32", "all"):
-        results["fp32"] = {n: bench_fp32(SPECS[n], args.rows, args.ffn) for n in REDUCE_SPECS}
-        _print_table("float32 forward launch shapes, compile and TE, in turns", results["fp32"])
+    if args.experiment in ("launch", "all"):
+        results["launch"] = {
+            n: bench_launch(s, args.rows, args.ffn, d) for n, (s, d) in LAUNCH_CASES.items()
+        }
+        _print_table("GLU launch shapes, compile and TE, in turns", results["launch"])
     if args.experiment in ("weighted", "all"):
         results["weighted"] = {
             n: bench_weighted(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
