@@ -510,7 +510,8 @@ def bench_launch(spec, rows, ffn, dtype):
 
     The forward candidates vary the tile (``_FWD_TILE``, ``_FWD_WARPS``, ``_FWD_MAX_BLOCK_N``),
     the backward ones the unweighted GLU plan (``_BWD_TILE_ROW``, ``_BWD_WARPS_ROW``,
-    ``_BWD_MAX_BLOCK_N``); each is checked against the current plan's result first.
+    ``_BWD_MAX_BLOCK_N``), and the current plans also run with row blocks fastest
+    (``_COLUMNS_FASTEST``); each is checked against the current plan's result first.
     """
     from mcore_activations.fusions import triton_kernels as tk
 
@@ -532,6 +533,9 @@ def bench_launch(spec, rows, ffn, dtype):
         label = f"fwd {tile}/{warps}/{max_n}"
         check_formulation(label, _result(tk, constants, forward), reference)
         fwd[label] = _with_constants(tk, constants, forward)
+    rows_fastest = {"_COLUMNS_FASTEST": False}
+    check_formulation("rows fastest", _result(tk, rows_fastest, forward), reference)
+    fwd["fwd current, rows fastest"] = _with_constants(tk, rows_fastest, forward)
     _add_compile_and_te(fwd, spec, x)
     bwd = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
     reference = backward()
@@ -540,6 +544,8 @@ def bench_launch(spec, rows, ffn, dtype):
         label = f"bwd {tile}/{warps}/{max_n}"
         check_formulation(label, _result(tk, constants, backward), reference)
         bwd[label] = _with_constants(tk, constants, backward)
+    check_formulation("rows fastest", _result(tk, rows_fastest, backward), reference)
+    bwd["bwd current, rows fastest"] = _with_constants(tk, rows_fastest, backward)
     row = {}
     for group in (fwd, bwd):
         with torch.no_grad():

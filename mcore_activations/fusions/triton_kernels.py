@@ -212,6 +212,23 @@ def _glu_columns(cols, F, INTERLEAVE: tl.constexpr):
     return gcol, lcol
 
 
+@triton.jit
+def _tile_ids(F, BLOCK_N: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
+    """``(row block, column block)`` of this program.
+
+    ``COLUMNS_FASTEST``: a 1-D grid whose consecutive programs take a row's column blocks in
+    turn, so programs that run together read and write consecutive memory, as a copy kernel
+    does. Otherwise a 2-D grid with row blocks fastest (rows on axis 0, which has no 65535
+    limit), whose neighbours sit a whole row apart.
+    """
+    if COLUMNS_FASTEST:
+        col_blocks = tl.cdiv(F, BLOCK_N)
+        pid = tl.program_id(0)
+        return pid // col_blocks, pid % col_blocks
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _activation_fwd_kernel(
@@ -231,11 +248,13 @@ def _activation_fwd_kernel(
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    COLUMNS_FASTEST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, pid_n = _tile_ids(F, BLOCK_N, COLUMNS_FASTEST)
+    row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = row < rows
     col_ok = cols < F
     mask = row_ok[:, None] & col_ok[None, :]
@@ -343,11 +362,11 @@ def _activation_bwd_kernel(
     HAS_PROBS: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     FAST_DIV: tl.constexpr,
+    COLUMNS_FASTEST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(F, BLOCK_N, COLUMNS_FASTEST)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < F
     W = 2 * F if GATED else F
@@ -447,6 +466,8 @@ _FLAT_UNARY = True
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU.
 _BIAS_PROGRAMS = 1024
+# Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest.
+_COLUMNS_FASTEST = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -480,7 +501,7 @@ def _fast_div(itemsize: int) -> bool:
 
 @functools.cache
 def _plan(
-    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool
+    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool, columns_fastest: bool
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
@@ -498,6 +519,7 @@ def _plan(
         HAS_PROBS=v.has_probs,
         INTERLEAVE=v.interleave or 0,
         FAST_DIV=fast_div,
+        COLUMNS_FASTEST=columns_fastest,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=warps,
@@ -508,22 +530,28 @@ def _plan(
 
 
 def _forward_plan(v, F, itemsize: int):
-    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, _fast_div(itemsize))
+    fast_div = _fast_div(itemsize)
+    return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
 
 
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if v.has_probs:
-        return _probs_backward_plan(v, F, _BWD_MAX_BLOCK_N, _BWD_PROBS_COLUMNS_PER_WARP, fast_div)
+        columns = _BWD_PROBS_COLUMNS_PER_WARP
+        return _probs_backward_plan(v, F, _BWD_MAX_BLOCK_N, columns, fast_div, _COLUMNS_FASTEST)
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
         # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
-        return _plan(v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div)
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div)
+        return _plan(
+            v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST
+        )
+    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
 
 
 @functools.cache
-def _probs_backward_plan(v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool):
+def _probs_backward_plan(
+    v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool, columns_fastest: bool
+):
     """One row per program and eight columns per thread, for the backward with probabilities.
 
     The probability gradient is a sum over each row, so every program ends in a cross-warp
@@ -536,7 +564,14 @@ def _probs_backward_plan(v, F: int, max_block_n: int, columns_per_warp: int, fas
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, block_n // columns_per_warp)
-    return _plan(v, F, block_n, warps, max_block_n, fast_div)
+    return _plan(v, F, block_n, warps, max_block_n, fast_div, columns_fastest)
+
+
+def _tile_grid(row_blocks: int, col_blocks: int, plan) -> tuple[int, int, int]:
+    # The launch grid of the tiled kernels (_tile_ids says how programs map to tiles).
+    if plan[2]["COLUMNS_FASTEST"]:
+        return row_blocks * col_blocks, 1, 1
+    return row_blocks, col_blocks, 1
 
 
 def _contiguous(*tensors):
@@ -620,7 +655,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
         _flat_forward(v, x, bias, probs, params, out, rows * F, F)
         return out
     plan = _forward_plan(v, F, x.element_size())
-    grid = (_cdiv(rows, plan[0]), _cdiv(F, plan[1]), 1)
+    grid = _tile_grid(_cdiv(rows, plan[0]), _cdiv(F, plan[1]), plan)
     key = (
         x.device.index,
         plan[3],
@@ -714,7 +749,7 @@ def triton_backward(
     key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
     key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
     with _device_guard(x):
-        _backward_launcher((row_programs, col_blocks, 1), args, plan, key)
+        _backward_launcher(_tile_grid(row_programs, col_blocks, plan), args, plan, key)
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
     dprobs = None
     if v.has_probs:
