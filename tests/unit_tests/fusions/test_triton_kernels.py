@@ -88,6 +88,42 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
         )
 
 
+@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
+@pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu", "squared_relu_tanh"])
+def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkeypatch):
+    """The tiled kernels' two program orders (``_COLUMNS_FASTEST``: a 1-D grid with column blocks
+    fastest, the default, or a 2-D grid with row blocks fastest, which the benchmark keeps for
+    comparison) give every tile the same rows and columns: outputs and gradients, the bias and
+    probability reductions included, must agree bit for bit."""
+    from mcore_activations.fusions import triton_kernels as tk
+    from mcore_activations.fusions.activation_kernels import params_tensor, spec_params
+
+    # 75 rows: three forward row blocks of 32 (4096-element tiles at 128 columns); with 12 bias
+    # programs over three column blocks, four row programs, each looping over several row blocks.
+    monkeypatch.setattr(tk, "_BIAS_PROGRAMS", 12)
+    rows = 75
+    spec = SPECS[name]
+    variant = KernelVariant.of(spec, has_bias=True, has_probs=has_probs)
+    gen = torch.Generator().manual_seed(7)
+    width = 600 if spec.gated else 300  # three column blocks of 128
+    x = (torch.randn(rows, width, generator=gen) * 4).to(device)
+    grad = torch.randn(rows, 300, generator=gen).to(device)
+    bias = torch.randn(width, generator=gen).to(device)
+    probs = torch.rand(rows, 1, generator=gen).to(device) if has_probs else None
+    params = params_tensor(spec_params(spec), x.device)
+    results = []
+    for columns_fastest in (True, False):
+        monkeypatch.setattr(tk, "_COLUMNS_FASTEST", columns_fastest)
+        plan = tk._backward_plan(variant, 300, x.element_size())
+        assert plan[2]["COLUMNS_FASTEST"] is columns_fastest
+        out = tk.triton_forward(variant, x, bias, probs, params)
+        grads = tk.triton_backward(variant, grad, x, bias, probs, params)
+        results.append([out, *(g for g in grads if g is not None)])
+    for first, second in zip(*results):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("device", BOTH)
 def test_triton_matches_torch_backends_elementwise(device):
