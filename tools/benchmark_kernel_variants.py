@@ -492,6 +492,25 @@ def _next_pow2(n: int) -> int:
 
 
 # (tile elements, warps, widest column block) of the forward plan, for the float32 rows.
+def _glu_inputs(spec, rows, ffn, dtype):
+    """``(variant, x, grad, params, fwd_bwd)`` for an unweighted GLU ``[rows, 2 * ffn]`` input:
+    ``fwd_bwd(fn)`` is a call that runs ``fn`` forward and backward on a leaf copy of ``x``."""
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    xg = x.clone().requires_grad_()
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+
+    def fwd_bwd(fn):
+        def call():
+            xg.grad = None
+            fn(xg).backward(grad)
+
+        return call
+
+    return variant, x, grad, params, fwd_bwd
+
+
 # (tile elements, warps, widest column block). Forward: the current plan first, then
 # Inductor-like one-row blocks of 8 elements per thread, and wider or taller tiles.
 LAUNCH_FWD_CONFIGS = [(4096, 8, 2048), (1024, 4, 1024), (2048, 8, 2048), (2048, 4, 2048)]
@@ -515,10 +534,7 @@ def bench_launch(spec, rows, ffn, dtype):
     """
     from mcore_activations.fusions import triton_kernels as tk
 
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
-    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    variant, x, grad, params, _ = _glu_inputs(spec, rows, ffn, dtype)
 
     def forward():
         return tk.triton_forward(variant, x, None, None, params)
@@ -574,18 +590,7 @@ def bench_turns(spec, rows, ffn, dtype, repeats=15):
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
 
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
-    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    xg = x.clone().requires_grad_()
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
-
-    def fwd_bwd(fn):
-        def call():
-            xg.grad = None
-            fn(xg).backward(grad)
-
-        return call
+    variant, x, grad, params, fwd_bwd = _glu_inputs(spec, rows, ffn, dtype)
 
     size = dtype.itemsize
     copy_fwd, copy_bwd = copy_fn(rows * 3 * ffn * size), copy_fn(rows * 5 * ffn * size)
@@ -648,18 +653,7 @@ def bench_host_at_shape(spec, rows, ffn, dtype):
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
 
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
-    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    xg = x.clone().requires_grad_()
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
-
-    def fwd_bwd(fn):
-        def call():
-            xg.grad = None
-            fn(xg).backward(grad)
-
-        return call
+    variant, x, grad, params, fwd_bwd = _glu_inputs(spec, rows, ffn, dtype)
 
     def raw():
         tk.triton_forward(variant, x, None, None, params)
@@ -894,27 +888,78 @@ def _print_table(title, rows, unit="time / copy of the same bytes", digits=2):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+def _experiments(rows: int, ffn: int) -> dict:
+    """``name -> (title, run, table options)``; ``run()`` returns ``{case: result row}``."""
+    bf16 = torch.bfloat16
+    weighted_unit = {"unit": "ms, host us per call, ratio", "digits": 3}
+    return {
+        "compile": (
+            "compile modes",
+            lambda: {n: bench_compile(s, rows, ffn, bf16) for n, s in COMPILE_SPECS.items()},
+            {},
+        ),
+        "layout": (
+            "GLU backward layout",
+            lambda: {n: bench_layout(s, rows, ffn, bf16) for n, s in SPECS.items()},
+            {},
+        ),
+        "tiles": (
+            "Triton launch shapes: tile/warps/max column block",
+            lambda: {n: bench_tiles(s, w, rows, ffn, bf16) for n, (s, w) in TILE_CASES.items()},
+            {},
+        ),
+        "flat": (
+            "non-gated forward: 2-D tiles vs flat blocks",
+            lambda: {
+                n: bench_flat(s, b, w, rows, ffn, bf16) for n, (s, b, w) in FLAT_CASES.items()
+            },
+            {},
+        ),
+        "glu": (
+            "GLU kinds: widest column block, compile and TE, in turns",
+            lambda: {n: bench_glu(s, rows, ffn, d) for n, (s, d) in GLU_CASES.items()},
+            {},
+        ),
+        "reduce": (
+            "GLU backward row plans, with and without probs, in turns",
+            lambda: {n: bench_reduce(SPECS[n], rows, ffn, bf16) for n in REDUCE_SPECS},
+            {},
+        ),
+        "launch": (
+            "GLU launch shapes, compile and TE, in turns",
+            lambda: {n: bench_launch(s, rows, ffn, d) for n, (s, d) in LAUNCH_CASES.items()},
+            {},
+        ),
+        "weighted": (
+            "forward+backward with and without probs, in turns",
+            lambda: {n: bench_weighted(SPECS[n], rows, ffn, bf16) for n in REDUCE_SPECS},
+            weighted_unit,
+        ),
+        "turns": (
+            "raw kernels against the path, in turns",
+            lambda: {n: bench_turns(s, rows, ffn, d) for n, (s, d) in TURNS_CASES.items()},
+            {},
+        ),
+        "host-at-shape": (
+            "forward+backward at this shape: GPU time and host time per call",
+            lambda: {n: bench_host_at_shape(SPECS[n], rows, ffn, bf16) for n in REDUCE_SPECS},
+            {"unit": "ratio, us"},
+        ),
+        "path": (
+            "raw kernels vs the autograd path",
+            lambda: {n: bench_path(s, w, rows, ffn, bf16) for n, (s, w) in PATH_CASES.items()},
+            {},
+        ),
+    }
+
+
 def main(argv=None):
     """Runs the selected experiments and prints markdown tables (and JSON on request)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=16384)
     parser.add_argument("--ffn", type=int, default=8192)
-    experiments = [
-        "compile",
-        "layout",
-        "tiles",
-        "flat",
-        "glu",
-        "reduce",
-        "launch",
-        "weighted",
-        "turns",
-        "host-at-shape",
-        "path",
-    ]
-    experiments.append("host")
-    experiments.append("all")
-    parser.add_argument("--experiment", choices=experiments, default="all")
+    names = [*_experiments(1, 1), "host", "all"]
+    parser.add_argument("--experiment", choices=names, default="all")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -922,67 +967,12 @@ def main(argv=None):
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(env))
     results = {"env": env}
-    dtype = torch.bfloat16
-    if args.experiment in ("compile", "all"):
-        results["compile"] = {
-            n: bench_compile(s, args.rows, args.ffn, dtype) for n, s in COMPILE_SPECS.items()
-        }
-        _print_table("compile modes", results["compile"])
-    if args.experiment in ("layout", "all"):
-        results["layout"] = {
-            n: bench_layout(s, args.rows, args.ffn, dtype) for n, s in SPECS.items()
-        }
-        _print_table("GLU backward layout", results["layout"])
-    if args.experiment in ("tiles", "all"):
-        results["tiles"] = {
-            n: bench_tiles(s, w, args.rows, args.ffn, dtype) for n, (s, w) in TILE_CASES.items()
-        }
-        _print_table("Triton launch shapes: tile/warps/max column block", results["tiles"])
-    if args.experiment in ("flat", "all"):
-        results["flat"] = {
-            n: bench_flat(s, b, w, args.rows, args.ffn, dtype)
-            for n, (s, b, w) in FLAT_CASES.items()
-        }
-        _print_table("non-gated forward: 2-D tiles vs flat blocks", results["flat"])
-    if args.experiment in ("glu", "all"):
-        results["glu"] = {
-            n: bench_glu(s, args.rows, args.ffn, d) for n, (s, d) in GLU_CASES.items()
-        }
-        _print_table("GLU kinds: widest column block, compile and TE, in turns", results["glu"])
-    if args.experiment in ("reduce", "all"):
-        results["reduce"] = {
-            n: bench_reduce(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
-        }
-        _print_table("GLU backward row plans, with and without probs, in turns", results["reduce"])
-    if args.experiment in ("launch", "all"):
-        results["launch"] = {
-            n: bench_launch(s, args.rows, args.ffn, d) for n, (s, d) in LAUNCH_CASES.items()
-        }
-        _print_table("GLU launch shapes, compile and TE, in turns", results["launch"])
-    if args.experiment in ("weighted", "all"):
-        results["weighted"] = {
-            n: bench_weighted(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
-        }
-        title = "forward+backward with and without probs, in turns"
-        _print_table(title, results["weighted"], unit="ms, host us per call, ratio", digits=3)
-    if args.experiment in ("turns", "all"):
-        results["turns"] = {
-            n: bench_turns(s, args.rows, args.ffn, d) for n, (s, d) in TURNS_CASES.items()
-        }
-        _print_table("raw kernels against the path, in turns", results["turns"])
-    if args.experiment in ("host-at-shape", "all"):
-        results["host-at-shape"] = {
-            n: bench_host_at_shape(SPECS[n], args.rows, args.ffn, dtype) for n in REDUCE_SPECS
-        }
-        title = "forward+backward at this shape: GPU time and host time per call"
-        _print_table(title, results["host-at-shape"], unit="ratio, us", digits=2)
-    if args.experiment in ("path", "all"):
-        results["path"] = {
-            n: bench_path(s, w, args.rows, args.ffn, dtype) for n, (s, w) in PATH_CASES.items()
-        }
-        _print_table("raw kernels vs the autograd path", results["path"])
+    for name, (title, run, table) in _experiments(args.rows, args.ffn).items():
+        if args.experiment in (name, "all"):
+            results[name] = run()
+            _print_table(title, results[name], **table)
     if args.experiment in ("host", "all"):
-        results["host"] = bench_host()
+        results["host"] = bench_host()  # prints its own lines and a cProfile
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -37,3 +37,13 @@ def test_compiled_formulations_pass_the_benchmark_check():
     )
     with pytest.raises(AssertionError):
         check_formulation("wrong", expected * 1.05, expected)
+
+
+def test_every_experiment_is_documented():
+    """The module docstring lists exactly the experiments ``--experiment`` accepts."""
+    import re
+
+    import tools.benchmark_kernel_variants as bench
+
+    documented = set(re.findall(r"^- ``([a-z0-9-]+)``:", bench.__doc__, re.MULTILINE))
+    assert documented == set(bench._experiments(1, 1)) | {"host"}
