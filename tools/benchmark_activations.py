@@ -22,9 +22,9 @@ gradient and writes the input gradient. Each time is the median over repeats of 
 back-to-back calls between two CUDA events, divided by the batch size: a call whose host side is
 slower than its kernels shows up as host time, as it would in training (an untimed call primes
 each batch, so the first timed call's host time is not counted as GPU time; see
-``time_interleaved``). The candidates of a row
-(floor included) take turns within every repeat, so drift of the card's state during a row is
-shared by all of them rather than charged to whichever ran first.
+``time_interleaved``). The candidates of a row (floor included) take turns within every repeat,
+so drift of the card's state during a row is shared by all of them rather than charged to
+whichever ran first.
 """
 
 from __future__ import annotations

@@ -510,8 +510,8 @@ def _plan(
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
-    MoE experts make (the arguments after ``v`` and ``F`` are the module constants and the
-    division choice, so a changed constant gets a fresh plan)."""
+    MoE experts make (the arguments after ``v`` and ``F`` are the module constants, the division
+    choice and the program order, so a changed constant gets a fresh plan)."""
     block_n = _block_n(F, max_block_n)
     block_m = max(1, tile // block_n)
     kwargs = dict(
