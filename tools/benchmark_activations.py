@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -175,8 +176,23 @@ def candidates(spec, weighted, with_eager):
     return found
 
 
-def bench(name, spec, T, H, dtype, weighted, with_eager):
-    """Times every candidate on one configuration; returns a result row."""
+def batch_calls(T: int, width: int, floor_ms: float = 0.0, min_batch_ms: float = 0.0) -> int:
+    """Calls per timed batch for a ``[T, width]`` input.
+
+    20-200 by size (small calls are host-bound and get more). With ``min_batch_ms`` (and the
+    row's floor time per call), at least enough calls for a batch at the floor to last that
+    long, at most 2000: a short row then spreads the host's jitter, and its slower calls right
+    after each batch's synchronisation, over more calls.
+    """
+    calls = max(20, min(200, int(2e9 // (T * width))))
+    if min_batch_ms > 0 and floor_ms > 0:
+        calls = max(calls, min(2000, math.ceil(min_batch_ms / floor_ms)))
+    return calls
+
+
+def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0):
+    """Times every candidate on one configuration; returns a result row (``min_batch_ms``: see
+    :func:`batch_calls`)."""
     width = 2 * H if spec.gated else H
     size = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
@@ -184,9 +200,6 @@ def bench(name, spec, T, H, dtype, weighted, with_eager):
     probs = torch.rand(T, 1, device="cuda") if weighted else None
     xg = x.clone().requires_grad_()
     pg = probs.clone().requires_grad_() if weighted else None
-    # Enough calls per event pair that the first call's host time (the GPU idles through it)
-    # does not count for much; small calls are host-bound and get more.
-    calls = max(20, min(200, int(2e9 // (T * width))))
     fwd_bytes = T * (width + H) * size
     bwd_bytes = T * (2 * width + H) * size
     row = {
@@ -213,11 +226,13 @@ def bench(name, spec, T, H, dtype, weighted, with_eager):
     both = {"floor": copy_fn(fwd_bytes + bwd_bytes)} | {
         label: fwd_bwd(fn) for label, fn in found.items()
     }
-    with torch.no_grad():
-        for label, ms in time_interleaved(forward, calls).items():
-            row[f"{label}_fwd_ms"] = ms
-    for label, ms in time_interleaved(both, calls).items():
-        row[f"{label}_fwd_bwd_ms"] = ms
+    for group, suffix in ((forward, "fwd"), (both, "fwd_bwd")):
+        floor_ms = time_ms(group["floor"], calls=5, repeats=3) if min_batch_ms else 0.0
+        calls = batch_calls(T, width, floor_ms, min_batch_ms)
+        row[f"calls_{suffix}"] = calls
+        with torch.no_grad() if suffix == "fwd" else torch.enable_grad():
+            for label, ms in time_interleaved(group, calls).items():
+                row[f"{label}_{suffix}_ms"] = ms
     return row
 
 
@@ -299,6 +314,12 @@ def main(argv=None):
         "--dtype", action="append", choices=["bfloat16", "float16", "float32"], help="only these"
     )
     parser.add_argument("--no-eager", action="store_true", help="leave out the eager column")
+    parser.add_argument(
+        "--min-batch-ms",
+        type=float,
+        default=0.0,
+        help="time at least this many ms of the floor per batch (default: 20-200 calls by size)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -311,7 +332,8 @@ def main(argv=None):
             continue
         if args.dtype and str(dtype).replace("torch.", "") not in args.dtype:
             continue
-        rows.append(bench(name, spec, T, H, dtype, weighted, with_eager and not args.no_eager))
+        eager = with_eager and not args.no_eager
+        rows.append(bench(name, spec, T, H, dtype, weighted, eager, args.min_batch_ms))
         torch.cuda.empty_cache()
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
