@@ -318,7 +318,8 @@ def main(argv=None):
         "--min-batch-ms",
         type=float,
         default=0.0,
-        help="time at least this many ms of the floor per batch (default: 20-200 calls by size)",
+        help="time at least this many ms of the floor per batch (default: 20-200 calls by size; "
+        "the JSON rows record the calls as calls_fwd / calls_fwd_bwd)",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

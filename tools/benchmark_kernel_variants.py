@@ -361,14 +361,30 @@ def _with_constants(tk, constants: dict, fn):
     return call
 
 
+def _glu_inputs(spec, rows, ffn, dtype):
+    """``(variant, x, grad, params, fwd_bwd)`` for an unweighted GLU ``[rows, 2 * ffn]`` input:
+    ``fwd_bwd(fn)`` is a call that runs ``fn`` forward and backward on a leaf copy of ``x``."""
+    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    xg = x.clone().requires_grad_()
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+
+    def fwd_bwd(fn):
+        def call():
+            xg.grad = None
+            fn(xg).backward(grad)
+
+        return call
+
+    return variant, x, grad, params, fwd_bwd
+
+
 def bench_glu(spec, rows, ffn, dtype):
     """Raw GLU kernels at two widest column blocks, torch.compile and TE, timed in turns."""
     from mcore_activations.fusions import triton_kernels as tk
 
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
-    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    variant, x, grad, params, _ = _glu_inputs(spec, rows, ffn, dtype)
 
     def forward():
         return tk.triton_forward(variant, x, None, None, params)
@@ -491,26 +507,6 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-# (tile elements, warps, widest column block) of the forward plan, for the float32 rows.
-def _glu_inputs(spec, rows, ffn, dtype):
-    """``(variant, x, grad, params, fwd_bwd)`` for an unweighted GLU ``[rows, 2 * ffn]`` input:
-    ``fwd_bwd(fn)`` is a call that runs ``fn`` forward and backward on a leaf copy of ``x``."""
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
-    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=dtype) * 4
-    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
-    xg = x.clone().requires_grad_()
-    params = ak.params_tensor(ak.spec_params(spec), x.device)
-
-    def fwd_bwd(fn):
-        def call():
-            xg.grad = None
-            fn(xg).backward(grad)
-
-        return call
-
-    return variant, x, grad, params, fwd_bwd
-
-
 # (tile elements, warps, widest column block). Forward: the current plan first, then
 # Inductor-like one-row blocks of 8 elements per thread, and wider or taller tiles.
 LAUNCH_FWD_CONFIGS = [(4096, 8, 2048), (1024, 4, 1024), (2048, 8, 2048), (2048, 4, 2048)]
@@ -518,7 +514,8 @@ LAUNCH_FWD_CONFIGS += [(4096, 4, 2048), (8192, 8, 2048), (2048, 4, 1024), (1024,
 # Backward of an unweighted GLU (the one-row plan's tile, warps, widest block): current first.
 LAUNCH_BWD_CONFIGS = [(1024, 4, 1024), (512, 2, 512), (1024, 2, 1024), (2048, 8, 2048)]
 LAUNCH_BWD_CONFIGS += [(2048, 4, 1024), (512, 1, 512)]
-LAUNCH_CASES = {
+# Five GLUs, bf16 and float32, for the launch-shape and path experiments.
+SAMPLE_GLU_CASES = {
     name: GLU_CASES[name]
     for name in ("SwiGLU", "ReGLU", "SwiGLU(clamp=7)", "GEGLU", "SwiGLU(clamp=7), fp32")
 }
@@ -569,12 +566,6 @@ def bench_launch(spec, rows, ffn, dtype):
         floor = times.pop("floor")
         row |= {label: t / floor for label, t in times.items()}
     return row
-
-
-TURNS_CASES = {
-    name: GLU_CASES[name]
-    for name in ("SwiGLU", "SwiGLU(clamp=7)", "ReGLU", "GEGLU", "SwiGLU(clamp=7), fp32")
-}
 
 
 def bench_turns(spec, rows, ffn, dtype, repeats=15):
@@ -927,7 +918,7 @@ def _experiments(rows: int, ffn: int) -> dict:
         ),
         "launch": (
             "GLU launch shapes, compile and TE, in turns",
-            lambda: {n: bench_launch(s, rows, ffn, d) for n, (s, d) in LAUNCH_CASES.items()},
+            lambda: {n: bench_launch(s, rows, ffn, d) for n, (s, d) in SAMPLE_GLU_CASES.items()},
             {},
         ),
         "weighted": (
@@ -937,7 +928,7 @@ def _experiments(rows: int, ffn: int) -> dict:
         ),
         "turns": (
             "raw kernels against the path, in turns",
-            lambda: {n: bench_turns(s, rows, ffn, d) for n, (s, d) in TURNS_CASES.items()},
+            lambda: {n: bench_turns(s, rows, ffn, d) for n, (s, d) in SAMPLE_GLU_CASES.items()},
             {},
         ),
         "host-at-shape": (

@@ -99,9 +99,12 @@ def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkey
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.activation_kernels import params_tensor, spec_params
 
-    # 75 rows: three forward row blocks of 32 (4096-element tiles at 128 columns); with 12 bias
-    # programs over three column blocks, four row programs, each looping over several row blocks.
+    # 75 rows over three column blocks of 128: three forward row blocks of 32 (4096-element tiles;
+    # a non-gated forward runs the flat kernel, which has no tiles); with 12 bias programs, four
+    # row programs in the backward, each looping over several row blocks (8 rows for a GLU, 2 for
+    # the non-gated kind at a 256-element tile, 1 with probabilities).
     monkeypatch.setattr(tk, "_BIAS_PROGRAMS", 12)
+    monkeypatch.setattr(tk, "_BWD_TILE", 256)
     rows = 75
     spec = SPECS[name]
     variant = KernelVariant.of(spec, has_bias=True, has_probs=has_probs)
@@ -115,8 +118,10 @@ def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkey
     results = []
     for columns_fastest in (True, False):
         monkeypatch.setattr(tk, "_COLUMNS_FASTEST", columns_fastest)
-        plan = tk._backward_plan(variant, 300, x.element_size())
-        assert plan[2]["COLUMNS_FASTEST"] is columns_fastest
+        plans = [tk._backward_plan(variant, 300, x.element_size())]
+        if spec.gated:
+            plans.append(tk._forward_plan(variant, 300, x.element_size()))
+        assert all(plan[2]["COLUMNS_FASTEST"] is columns_fastest for plan in plans)
         out = tk.triton_forward(variant, x, bias, probs, params)
         grads = tk.triton_backward(variant, grad, x, bias, probs, params)
         results.append([out, *(g for g in grads if g is not None)])
