@@ -78,9 +78,9 @@ SWEEP_T = [256, 4096, 65536]
 SWEEP_H = [1024, 2880, 8192, 16384]  # 2880 (gpt-oss) is not a multiple of 128
 
 
-def time_ms(fn, calls=10, repeats=7, warmup=3, prime=True):
+def time_ms(fn, calls=10, repeats=7, warmup=3):
     """Median over ``repeats`` of the mean time of ``calls`` back-to-back ``fn()`` calls."""
-    return time_interleaved({"fn": fn}, calls, repeats, warmup, prime)["fn"]
+    return time_interleaved({"fn": fn}, calls, repeats, warmup)["fn"]
 
 
 def time_interleaved(fns, calls=10, repeats=7, warmup=3, prime=True):
