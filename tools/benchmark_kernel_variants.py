@@ -31,9 +31,10 @@ may contract multiply-adds differently from eager) before it is timed.
   turns within one repeat (``time_interleaved``), so the kinds and the columns compare like with
   like, and the division each runs (the hardware reciprocal or div.full; the measurement behind
   ``_FWD_MAX_BLOCK_N`` and ``triton_kernels._fast_div``).
-- ``reduce``: the GLU backward's one-row plan (tile elements, warps) with and without
-  probabilities, in turns: the probability gradient is a per-row sum with a barrier in every
-  program, so its best shape can differ from the unweighted one.
+- ``reduce``: the GLU backward's plans with and without probabilities (tile and warps; rows per
+  program, widest column block and columns per warp), all in the same turns, and the forward
+  with and without: the probability gradient is a per-row sum, with a barrier wherever a row
+  spans several warps, so its best shape can differ from the unweighted one.
 - ``launch``: GLU forward and backward launch shapes (bf16 kinds and float32) next to
   torch.compile and TE, in turns (run 15's ``fp32`` experiment, grown).
 - ``turns``: the raw forward and backward against the path's forward and forward+backward,
@@ -447,18 +448,22 @@ def _result(tk, constants, fn):
 
 
 REDUCE_SPECS = ("SwiGLU(clamp=7)", "SwiGLU")
-# (tile elements, warps) of the backward's one-row plan (gated or weighted), widest block 1024.
-REDUCE_CONFIGS = [(512, 1), (512, 2), (512, 4), (1024, 1), (1024, 2), (1024, 4), (2048, 4)]
-# Columns per warp of the weighted backward's one-row plan (8 columns per thread at 256).
-PROBS_COLUMNS_PER_WARP = (128, 256, 512)
+# (tile elements, warps) of the unweighted GLU backward's one-row plan, widest block 1024.
+REDUCE_CONFIGS = [(1024, 4), (512, 2), (1024, 2), (2048, 4)]
+# (rows per program, widest column block, columns per warp) of the weighted backward's plan:
+# the current one first; one warp per row where a warp holds the whole block (no cross-warp sum).
+PROBS_CONFIGS = [(1, 1024, 256), (1, 1024, 128), (1, 1024, 512), (1, 1024, 1024)]
+PROBS_CONFIGS += [(2, 512, 256), (2, 256, 256), (4, 256, 256), (8, 256, 256), (1, 2048, 256)]
 
 
 def bench_reduce(spec, rows, ffn, dtype):
-    """The GLU backward's row plans with and without probabilities, every candidate in turns.
+    """The GLU backward's plans with and without probabilities, all in the same turns.
 
-    With probabilities the backward also reduces each row's ``grad * act`` to one value, a
-    cross-warp sum with a barrier in every program. Unweighted, the candidates vary the rows and
-    warps per program; weighted (one row per program), the warps per row. Each candidate is
+    With probabilities the backward also reduces each row's ``grad * act`` to one value: where
+    the row's block spans several warps, a cross-warp sum with a barrier in every program. The
+    weighted candidates vary the rows per program, the widest column block and the columns per
+    warp; the unweighted ones the tile and warps, so the weighted-within-5 % target compares in
+    one group. A second group times the forward with and without probabilities. Each candidate is
     checked against the current plan's result first (to rounding: the sum's order follows the
     tile).
     """
@@ -468,39 +473,42 @@ def bench_reduce(spec, rows, ffn, dtype):
     grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
     probs = torch.rand(rows, 1, device="cuda")
     params = ak.params_tensor(ak.spec_params(spec), x.device)
-    row = {}
-    for weighted in (False, True):
-        variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
-        p = probs if weighted else None
+    plain = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    weighted = ak.KernelVariant.of(spec, has_bias=False, has_probs=True)
 
-        def backward(variant=variant, p=p):
-            return tk.triton_backward(variant, grad, x, None, p, params)
+    def backward(v=plain, p=None):
+        return tk.triton_backward(v, grad, x, None, p, params)
 
-        reference = backward()
-        # The weighted backward also reads probs and writes its gradient (4 bytes per row each).
-        extra = 8 * rows if weighted else 0
-        group = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize + extra)}
-        if weighted:
-            # One row per program (_probs_backward_plan); the candidates vary its warps.
-            candidates = [
-                ({"_BWD_PROBS_COLUMNS_PER_WARP": c}, f"1 row, {c} columns/warp")
-                for c in PROBS_COLUMNS_PER_WARP
-            ]
-        else:
-            candidates = [
-                ({"_BWD_TILE_ROW": t, "_BWD_WARPS_ROW": w}, f"{t}/{w}") for t, w in REDUCE_CONFIGS
-            ]
-        for constants, name in candidates:
-            label = f"{'probs ' if weighted else ''}bwd {name}"
-            out = _result(tk, constants, backward)
-            check_formulation(label, out[0], reference[0])
-            if weighted:
-                # A float32 sum of ffn products in another order: rounding well above 2 ulp.
-                scale = reference[2].abs().max().item()
-                torch.testing.assert_close(out[2], reference[2], rtol=1e-4, atol=1e-4 * scale)
-            group[label] = _with_constants(tk, constants, backward)
-        row |= _over_floor(group)
-    return row
+    def weighted_backward():
+        return backward(weighted, probs)
+
+    # The floor is the unweighted bytes: the weighted call also reads probs and writes their
+    # gradient, 8 bytes per row (0.1 % at F = 1536).
+    group = {"floor": copy_fn(rows * 5 * ffn * dtype.itemsize)}
+    reference = backward()
+    for t, w in REDUCE_CONFIGS:
+        constants = {"_BWD_TILE_ROW": t, "_BWD_WARPS_ROW": w}
+        label = f"bwd {t}/{w}"
+        check_formulation(label, _result(tk, constants, backward)[0], reference[0])
+        group[label] = _with_constants(tk, constants, backward)
+    reference = weighted_backward()
+    # A float32 sum of ffn products in another order: rounding well above 2 ulp.
+    scale = reference[2].abs().max().item()
+    for r, n, c in PROBS_CONFIGS:
+        constants = {"_BWD_PROBS_ROWS": r, "_BWD_PROBS_MAX_BLOCK_N": n}
+        constants["_BWD_PROBS_COLUMNS_PER_WARP"] = c
+        label = f"probs bwd {r} x {n}, {c}/warp"
+        out = _result(tk, constants, weighted_backward)
+        check_formulation(label, out[0], reference[0])
+        torch.testing.assert_close(out[2], reference[2], rtol=1e-4, atol=1e-4 * scale)
+        group[label] = _with_constants(tk, constants, weighted_backward)
+    row = _over_floor(group)
+    forwards = {
+        "floor": copy_fn(rows * 3 * ffn * dtype.itemsize),
+        "fwd": lambda: tk.triton_forward(plain, x, None, None, params),
+        "probs fwd": lambda: tk.triton_forward(weighted, x, None, probs, params),
+    }
+    return row | _over_floor(forwards)
 
 
 def _next_pow2(n: int) -> int:

@@ -445,8 +445,10 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 columns
-# Weighted: one row per program, 8 columns per thread (blocks of >= 256 columns).
+# Weighted: rows per program, columns per warp (8 per thread at 256) and the widest column block.
+_BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
+_BWD_PROBS_MAX_BLOCK_N = 1024
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
 # (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
@@ -542,8 +544,15 @@ def _forward_plan(v, F, itemsize: int):
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if v.has_probs:
-        columns = _BWD_PROBS_COLUMNS_PER_WARP
-        return _probs_backward_plan(v, F, _BWD_MAX_BLOCK_N, columns, fast_div, _COLUMNS_FASTEST)
+        return _probs_backward_plan(
+            v,
+            F,
+            _BWD_PROBS_ROWS,
+            _BWD_PROBS_MAX_BLOCK_N,
+            _BWD_PROBS_COLUMNS_PER_WARP,
+            fast_div,
+            _COLUMNS_FASTEST,
+        )
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
         # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
@@ -555,9 +564,16 @@ def _backward_plan(v, F, itemsize: int):
 
 @functools.cache
 def _probs_backward_plan(
-    v, F: int, max_block_n: int, columns_per_warp: int, fast_div: bool, columns_fastest: bool
+    v,
+    F: int,
+    rows: int,
+    max_block_n: int,
+    columns_per_warp: int,
+    fast_div: bool,
+    columns_fastest: bool,
 ):
-    """One row per program and eight columns per thread, for the backward with probabilities.
+    """``rows`` rows of one column block per program, ``columns_per_warp`` columns of it per
+    warp, for the backward with probabilities.
 
     The probability gradient is a sum over each row, so every program ends in a cross-warp
     reduction behind a barrier. Measured on an H200 (bf16 SwiGLU(clamp=7), raw backward / copy
@@ -568,8 +584,8 @@ def _probs_backward_plan(
     (e.g. 128 at F = 384) get one warp and fewer columns per thread.
     """
     block_n = _block_n(F, max_block_n)
-    warps = max(1, block_n // columns_per_warp)
-    return _plan(v, F, block_n, warps, max_block_n, fast_div, columns_fastest)
+    warps = max(1, rows * block_n // columns_per_warp)
+    return _plan(v, F, rows * block_n, warps, max_block_n, fast_div, columns_fastest)
 
 
 def _tile_grid(row_blocks: int, col_blocks: int, plan) -> tuple[int, int, int]:

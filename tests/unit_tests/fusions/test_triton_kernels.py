@@ -89,6 +89,27 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 
 
 @pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("name", ["swiglu_clamp", "squared_relu_tanh"])
+def test_triton_weighted_backward_with_several_rows_per_program(name, device, monkeypatch):
+    """The weighted backward's plan with several rows of a column block per program (one warp
+    per row of 128 columns: ``_probs_backward_plan``), a partial last row block (19 rows over
+    blocks of 4) and three column blocks of probability partials."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_ROWS", 4)
+    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_MAX_BLOCK_N", 128)
+    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_COLUMNS_PER_WARP", 128)
+    plan = triton_kernels._backward_plan(
+        KernelVariant.of(SPECS[name], has_bias=True, has_probs=True), 300, 4
+    )
+    assert (plan[0], plan[1], plan[2]["num_warps"]) == (4, 128, 4)
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS[name], torch.float32, True, True, device=device, rows=19, ffn=300
+        )
+
+
+@pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
 @pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu", "squared_relu_tanh"])
 def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkeypatch):
