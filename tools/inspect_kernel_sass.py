@@ -1,0 +1,174 @@
+"""What the compiler made of the activation kernels, without a GPU.
+
+Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--dtype bfloat16] [--arch 90]``
+
+Compiles the Triton kernels of each activation for an NVIDIA architecture on any machine (Triton
+ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
+``--ffn``, and prints per kernel: registers per thread, spilled bytes, shared memory, and the
+*load span*, the number of SASS instructions between the first and the last 128-bit load of a
+program. A span of a few dozen means every streamed input is in flight at once; a span of
+hundreds means ptxas deferred a load until an earlier one was consumed, so each program waits
+for memory twice. Registers bound how many warps an SM holds (65536 registers; 64 per thread
+leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides latency.
+
+This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
+(docs/performance.md, session 8): 64 registers and a deferred third load, against 48 and one
+span. It is a diagnostic, not a benchmark: the times come from the H200 runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mcore_activations.activation_spec import ActivationKind, ActivationSpec  # noqa: E402
+from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
+from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
+
+_SILU = ActivationKind.SILU
+CASES = {
+    "SwiGLU": ActivationSpec(_SILU, gated=True),
+    "SwiGLU(clamp=7)": ActivationSpec(_SILU, gated=True, clamp_value=7.0),
+    "ReGLU": ActivationSpec(ActivationKind.RELU, gated=True),
+    "GEGLU": ActivationSpec(ActivationKind.GELU_TANH, gated=True),
+    "quick-GEGLU(gpt-oss)": ActivationSpec(
+        ActivationKind.QUICK_GELU, gated=True, clamp_value=7.0, linear_offset=1.0
+    ),
+    "SiTU-GLU(4,25)": ActivationSpec(
+        _SILU, gated=True, gate_tanh_scale=4.0, linear_tanh_scale=25.0
+    ),
+    "squared-ReLU": ActivationSpec(ActivationKind.SQUARED_RELU),
+}
+# Pointers that carry the activation's dtype; the others (probs, params, partial sums) are float32.
+_DATA_POINTERS = {"x_ptr", "grad_ptr", "bias_ptr", "out_ptr", "dx_ptr"}
+_TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool):
+    """The kernel and launch plan ``triton_forward`` / ``triton_backward`` pick for variant ``v``
+    at width ``F`` (the flat kernels for non-gated calls without a reduction)."""
+    if not v.gated and tk._FLAT_UNARY and not (backward and (v.has_bias or v.has_probs)):
+        kernel = tk._unary_bwd_flat_kernel if backward else tk._unary_fwd_flat_kernel
+        return kernel, tk._flat_shape(v, kernel, rows * F, itemsize)
+    if backward:
+        return tk._activation_bwd_kernel, tk._backward_plan(v, F, itemsize)
+    return tk._activation_fwd_kernel, tk._forward_plan(v, F, itemsize)
+
+
+def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: dict, arch: int):
+    """Compiles ``kernel`` at ``plan`` for ``sm_{arch}``; returns Triton's compiled kernel.
+
+    Absent inputs are ``None`` constexprs, as Triton specialises a launch with ``None``; present
+    pointers, and the integers of ``ints`` (name -> value) that are multiples of 16, carry
+    Triton's divisibility hint, as at a real launch of contiguous tensors from the caching
+    allocator (without it a masked load of 16-bit values is not vectorised).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = dict(plan[2])
+    num_warps = constants.pop("num_warps")
+    absent = set()
+    if not has_bias:
+        absent |= {"bias_ptr", "dbias_part_ptr"}
+    if not has_probs:
+        absent |= {"probs_ptr", "dprobs_part_ptr"}
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in absent:
+            signature[name], constants[name] = "constexpr", None
+        elif name.endswith("_ptr"):
+            signature[name] = _TRITON_TYPES[dtype] if name in _DATA_POINTERS else "*fp32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if ints.get(name, 1) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constants, attrs)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(source, target=target, options={"num_warps": num_warps})
+
+
+def _cuobjdump(*args: str) -> str:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
+
+
+def sass_report(compiled) -> dict:
+    """``{"registers", "local_bytes", "shared_bytes", "load_span"}`` of a compiled kernel
+    (local memory is where spilled registers go)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        usage = _cuobjdump("-res-usage", cubin)
+        sass = _cuobjdump("-sass", cubin)
+    return parse_report(usage, sass)
+
+
+def parse_report(usage: str, sass: str) -> dict:
+    """Parses ``cuobjdump -res-usage`` and ``cuobjdump -sass`` output of one kernel."""
+
+    def field(name):
+        return int(re.search(rf"\b{name}:(\d+)", usage).group(1))
+
+    # SASS lines look like "/*0670*/  @P1 LDG.E.128 R4, desc[UR18][R22.64] ;": the offset is in
+    # bytes, 16 per instruction.
+    offsets = [
+        int(m.group(1), 16) // 16
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?LDG\.E\.128\b", sass)
+    ]
+    return {
+        "registers": field("REG"),
+        "local_bytes": field("LOCAL"),
+        "shared_bytes": field("SHARED"),
+        "load_span": offsets[-1] - offsets[0] if offsets else None,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ffn", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=16384, help="only the flat kernels use it")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
+    parser.add_argument("--bias", action="store_true")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
+    print("registers / local (spill) bytes / load span (SASS instructions), per kernel")
+    print("| activation | forward | backward | forward, probs | backward, probs |")
+    print("|---|---|---|---|---|")
+    for name, spec in CASES.items():
+        cells = []
+        for has_probs in (False, True):
+            for backward in (False, True):
+                v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
+                kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward)
+                # rows_per_program is the row block's height unless a bias is reduced (bias
+                # programs walk several blocks); either way it is rarely a multiple of 16.
+                ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
+                ints["rows_per_program"] = plan[0] if plan[1] else 1
+                compiled = compile_kernel(
+                    kernel, plan, dtype, args.bias, has_probs, ints, args.arch
+                )
+                r = sass_report(compiled)
+                cells.append(f"{r['registers']} / {r['local_bytes']} / {r['load_span']}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
