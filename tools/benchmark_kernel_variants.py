@@ -32,9 +32,9 @@ may contract multiply-adds differently from eager) before it is timed.
   like, and the division each runs (the hardware reciprocal or div.full; the measurement behind
   ``_FWD_MAX_BLOCK_N`` and ``triton_kernels._fast_div``).
 - ``reduce``: the GLU backward's plans with and without probabilities (tile and warps; rows per
-  program, widest column block and columns per warp), all in the same turns, and the forward
-  with and without: the probability gradient is a per-row sum, with a barrier wherever a row
-  spans several warps, so its best shape can differ from the unweighted one.
+  program, widest column block, columns per warp, register cap), all in the same turns, and the
+  forward with and without: the probability gradient is a per-row sum, with a barrier wherever
+  a row spans several warps, so its best shape can differ from the unweighted one.
 - ``launch``: GLU forward and backward launch shapes (bf16 kinds and float32) next to
   torch.compile and TE, in turns (run 15's ``fp32`` experiment, grown).
 - ``turns``: the raw forward and backward against the path's forward and forward+backward,
@@ -450,10 +450,11 @@ def _result(tk, constants, fn):
 REDUCE_SPECS = ("SwiGLU(clamp=7)", "SwiGLU")
 # (tile elements, warps) of the unweighted GLU backward's one-row plan, widest block 1024.
 REDUCE_CONFIGS = [(1024, 4), (512, 2), (1024, 2), (2048, 4)]
-# (rows per program, widest column block, columns per warp) of the weighted backward's plan:
-# the current one first; one warp per row where a warp holds the whole block (no cross-warp sum).
-PROBS_CONFIGS = [(1, 1024, 256), (1, 1024, 128), (1, 1024, 512), (1, 1024, 1024)]
-PROBS_CONFIGS += [(2, 512, 256), (2, 256, 256), (4, 256, 256), (8, 256, 256), (1, 2048, 256)]
+# (rows per program, widest column block, columns per warp, register cap) of the weighted
+# backward's plan: the current one first, then without the cap; one warp per row where a warp
+# holds the whole block (no cross-warp sum).
+PROBS_CONFIGS = [(1, 1024, 256, 48), (1, 1024, 256, None), (1, 1024, 256, 40)]
+PROBS_CONFIGS += [(1, 1024, 128, 48), (1, 1024, 512, 48), (2, 256, 256, 48), (4, 256, 256, 48)]
 
 
 def bench_reduce(spec, rows, ffn, dtype):
@@ -494,10 +495,10 @@ def bench_reduce(spec, rows, ffn, dtype):
     reference = weighted_backward()
     # A float32 sum of ffn products in another order: rounding well above 2 ulp.
     scale = reference[2].abs().max().item()
-    for r, n, c in PROBS_CONFIGS:
+    for r, n, c, cap in PROBS_CONFIGS:
         constants = {"_BWD_PROBS_ROWS": r, "_BWD_PROBS_MAX_BLOCK_N": n}
-        constants["_BWD_PROBS_COLUMNS_PER_WARP"] = c
-        label = f"probs bwd {r} x {n}, {c}/warp"
+        constants |= {"_BWD_PROBS_COLUMNS_PER_WARP": c, "_BWD_PROBS_MAX_REGISTERS": cap}
+        label = f"probs bwd {r} x {n}, {c}/warp, {cap or 'any'} regs"
         out = _result(tk, constants, weighted_backward)
         check_formulation(label, out[0], reference[0])
         torch.testing.assert_close(out[2], reference[2], rtol=1e-4, atol=1e-4 * scale)

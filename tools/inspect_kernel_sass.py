@@ -77,7 +77,8 @@ def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: d
     from triton.compiler import ASTSource
 
     constants = dict(plan[2])
-    num_warps = constants.pop("num_warps")
+    # Launch options, as Triton takes them from a launch's keyword arguments.
+    options = {name: constants.pop(name) for name in ("num_warps", "maxnreg") if name in constants}
     absent = set()
     if not has_bias:
         absent |= {"bias_ptr", "dbias_part_ptr"}
@@ -98,7 +99,7 @@ def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: d
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(kernel, signature, constants, attrs)
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(source, target=target, options={"num_warps": num_warps})
+    return triton.compile(source, target=target, options=options)
 
 
 def _cuobjdump(*args: str) -> str:

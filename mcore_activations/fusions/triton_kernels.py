@@ -27,8 +27,9 @@ runs together stream consecutive memory.
 
 Reductions are deterministic: the probability gradient is summed per row inside a program and
 the per-column-block partials are added by one ``torch.sum`` of fixed shape; the bias gradient
-is accumulated over a fixed row range per program (the ranges depend only on the shape) and the
-per-range partials are added the same way. No atomics anywhere.
+is accumulated element-wise over a fixed row range per program (the ranges depend only on the
+shape), summed over the tile's rows at the end, and the per-range partials are added the same
+way. No atomics anywhere.
 
 With ``TRITON_INTERPRET=1`` set before this module is imported the same kernels run on CPU
 tensors (the CPU test tier does this).
@@ -378,11 +379,15 @@ def _activation_bwd_kernel(
         gcol = cols
         lcol = cols
     if HAS_BIAS:
+        # The bias gradient accumulates element-wise over the program's row blocks and is summed
+        # over the block's rows once, after the loop: a sum over rows inside the loop crosses
+        # warps (shared memory and a barrier) on every trip, which ran the unweighted GLU
+        # backward with bias at 4.4x the copy floor at 65536 x 1536 (H200, session 8).
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g = tl.zeros((BLOCK_N,), tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if GATED:
             bias_l = tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_l = tl.zeros((BLOCK_N,), tl.float32)
+            acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling.
     for m in range(0, rows_per_program, BLOCK_M):
@@ -393,9 +398,6 @@ def _activation_bwd_kernel(
         g = tl.load(grad_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_PROBS:
             p = tl.load(probs_ptr + row, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            g_scaled = g * p
-        else:
-            g_scaled = g
         x_row = x_ptr + row64 * W
         if GATED:
             gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -412,27 +414,27 @@ def _activation_bwd_kernel(
                 # bf16 clamped SwiGLU: 56 registers instead of 64, and ptxas then issues the
                 # three streamed loads together; tools/inspect_kernel_sass.py).
                 g_act = g * act
-                d_gate = g_scaled * lin * d_act
+                d_gate = g * p * lin * d_act
                 d_linear = g_act * p * d_lin
                 dprobs_terms = g_act * lin
             else:
-                d_gate = g_scaled * lin * d_act
-                d_linear = g_scaled * act * d_lin
+                d_gate = g * lin * d_act
+                d_linear = g * act * d_lin
             dx_row = dx_ptr + row64 * W
             tl.store(dx_row + gcol[None, :], d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_row + lcol[None, :], d_linear.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
-                acc_l += tl.sum(tl.where(mask, d_linear, 0.0), axis=0)
+                acc_g += tl.where(mask, d_gate, 0.0)
+                acc_l += tl.where(mask, d_linear, 0.0)
         else:
             h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 h += bias_g
             y, d = _unary_terms(h, params_ptr, KIND, GATE_TANH, FAST_DIV)
-            d_h = g_scaled * d
+            d_h = g * p * d if HAS_PROBS else g * d
             tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.sum(tl.where(mask, d_h, 0.0), axis=0)
+                acc_g += tl.where(mask, d_h, 0.0)
             if HAS_PROBS:
                 dprobs_terms = g * y
         if HAS_PROBS:
@@ -443,9 +445,9 @@ def _activation_bwd_kernel(
             part = tl.sum(dprobs_terms, axis=1)
             tl.store(dprobs_part_ptr + pid_n * rows + row, part, mask=row_ok)
     if HAS_BIAS:
-        tl.store(dbias_part_ptr + pid_m * W + gcol, acc_g, mask=col_ok)
+        tl.store(dbias_part_ptr + pid_m * W + gcol, tl.sum(acc_g, axis=0), mask=col_ok)
         if GATED:
-            tl.store(dbias_part_ptr + pid_m * W + lcol, acc_l, mask=col_ok)
+            tl.store(dbias_part_ptr + pid_m * W + lcol, tl.sum(acc_l, axis=0), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -461,6 +463,10 @@ _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 co
 _BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
+# Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
+# the reduce experiment: at 48 the bf16 clamped SwiGLU gained 0.01 of the copy floor on an H200,
+# while fp32, GEGLU and SiTU-GLU lost 0.02-0.05 and the bias variants 0.5-0.9 (session 8).
+_BWD_PROBS_MAX_REGISTERS = None
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
 # (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
@@ -520,12 +526,20 @@ def _fast_div(itemsize: int) -> bool:
 
 @functools.cache
 def _plan(
-    v, F: int, tile: int, warps: int, max_block_n: int, fast_div: bool, columns_fastest: bool
+    v,
+    F: int,
+    tile: int,
+    warps: int,
+    max_block_n: int,
+    fast_div: bool,
+    columns_fastest: bool,
+    max_registers: Optional[int] = None,
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
     MoE experts make (the arguments after ``v`` and ``F`` are the module constants, the division
-    choice and the program order, so a changed constant gets a fresh plan)."""
+    choice and the program order, so a changed constant gets a fresh plan). ``max_registers``
+    caps the registers per thread (Triton's ``maxnreg``; NVIDIA only, other backends ignore it)."""
     block_n = _block_n(F, max_block_n)
     block_m = max(1, tile // block_n)
     kwargs = dict(
@@ -543,6 +557,8 @@ def _plan(
         BLOCK_N=block_n,
         num_warps=warps,
     )
+    if max_registers is not None:
+        kwargs["maxnreg"] = max_registers
     params = [name for name in _activation_fwd_kernel.arg_names if name in kwargs]
     assert params == [name for name in _activation_bwd_kernel.arg_names if name in kwargs]
     return block_m, block_n, kwargs, tuple(kwargs[name] for name in params)
@@ -562,6 +578,7 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_PROBS_ROWS,
             _BWD_PROBS_MAX_BLOCK_N,
             _BWD_PROBS_COLUMNS_PER_WARP,
+            _BWD_PROBS_MAX_REGISTERS,
             fast_div,
             _COLUMNS_FASTEST,
         )
@@ -581,6 +598,7 @@ def _probs_backward_plan(
     rows: int,
     max_block_n: int,
     columns_per_warp: int,
+    max_registers: Optional[int],
     fast_div: bool,
     columns_fastest: bool,
 ):
@@ -597,7 +615,8 @@ def _probs_backward_plan(
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
-    return _plan(v, F, rows * block_n, warps, max_block_n, fast_div, columns_fastest)
+    tile = rows * block_n
+    return _plan(v, F, tile, warps, max_block_n, fast_div, columns_fastest, max_registers)
 
 
 def _tile_grid(row_blocks: int, col_blocks: int, plan) -> tuple[int, int, int]:
@@ -779,8 +798,13 @@ def triton_backward(
         part_shape = (rows, 1) if col_blocks == 1 else (col_blocks, rows, 1)
         dprobs_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
     args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
-    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:8]))
-    key += (_int_key(rows), _int_key(F), _int_key(rows_per_program))
+    key = (x.device.index, plan[3], plan[2]["num_warps"], plan[2].get("maxnreg"))
+    key += (
+        *(_ptr_key(t) for t in args[:8]),
+        _int_key(rows),
+        _int_key(F),
+        _int_key(rows_per_program),
+    )
     with _device_guard(x):
         _backward_launcher(_tile_grid(row_programs, col_blocks, plan), args, plan, key)
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
