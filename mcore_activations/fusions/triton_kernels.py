@@ -216,6 +216,23 @@ def _glu_columns(cols, F, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
+def _bias_terms(d, mask, BLOCK_M: tl.constexpr):
+    """One trip's bias-gradient terms: the tile itself, or for a one-row tile its only row."""
+    terms = tl.where(mask, d, 0.0)
+    if BLOCK_M == 1:
+        terms = tl.sum(terms, axis=0)
+    return terms
+
+
+@triton.jit
+def _rows_sum(acc, BLOCK_M: tl.constexpr):
+    """The bias-gradient accumulator summed over the tile's rows (see _bias_terms)."""
+    if BLOCK_M > 1:
+        acc = tl.sum(acc, axis=0)
+    return acc
+
+
+@triton.jit
 def _tile_ids(F, BLOCK_N: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
     """``(row block, column block)`` of this program.
 
@@ -379,15 +396,17 @@ def _activation_bwd_kernel(
         gcol = cols
         lcol = cols
     if HAS_BIAS:
-        # The bias gradient accumulates element-wise over the program's row blocks and is summed
-        # over the block's rows once, after the loop: a sum over rows inside the loop crosses
-        # warps (shared memory and a barrier) on every trip, which ran the unweighted GLU
-        # backward with bias at 4.4x the copy floor at 65536 x 1536 (H200, session 8).
+        # Tiles of several rows accumulate the bias gradient element-wise over the program's row
+        # blocks and sum over the tile's rows once, after the loop: a sum over rows inside the
+        # loop crosses warps (shared memory and a barrier) on every trip, which ran the
+        # unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
+        # session 8). One-row tiles (the weighted plan) add each row as it comes, which measured
+        # faster for them (docs/performance.md).
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N) if BLOCK_M > 1 else (BLOCK_N,), tl.float32)
         if GATED:
             bias_l = tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            acc_l = tl.zeros((BLOCK_M, BLOCK_N) if BLOCK_M > 1 else (BLOCK_N,), tl.float32)
     # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling.
     for m in range(0, rows_per_program, BLOCK_M):
@@ -424,8 +443,8 @@ def _activation_bwd_kernel(
             tl.store(dx_row + gcol[None, :], d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_row + lcol[None, :], d_linear.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.where(mask, d_gate, 0.0)
-                acc_l += tl.where(mask, d_linear, 0.0)
+                acc_g += _bias_terms(d_gate, mask, BLOCK_M)
+                acc_l += _bias_terms(d_linear, mask, BLOCK_M)
         else:
             h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
@@ -434,7 +453,7 @@ def _activation_bwd_kernel(
             d_h = g * p * d if HAS_PROBS else g * d
             tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.where(mask, d_h, 0.0)
+                acc_g += _bias_terms(d_h, mask, BLOCK_M)
             if HAS_PROBS:
                 dprobs_terms = g * y
         if HAS_PROBS:
@@ -445,9 +464,9 @@ def _activation_bwd_kernel(
             part = tl.sum(dprobs_terms, axis=1)
             tl.store(dprobs_part_ptr + pid_n * rows + row, part, mask=row_ok)
     if HAS_BIAS:
-        tl.store(dbias_part_ptr + pid_m * W + gcol, tl.sum(acc_g, axis=0), mask=col_ok)
+        tl.store(dbias_part_ptr + pid_m * W + gcol, _rows_sum(acc_g, BLOCK_M), mask=col_ok)
         if GATED:
-            tl.store(dbias_part_ptr + pid_m * W + lcol, tl.sum(acc_l, axis=0), mask=col_ok)
+            tl.store(dbias_part_ptr + pid_m * W + lcol, _rows_sum(acc_l, BLOCK_M), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -486,8 +505,12 @@ _FLAT_BLOCK_SOFT_CLAMP, _FLAT_WARPS_SOFT_CLAMP = 4096, 4
 _FLAT_UNARY = True
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
-# and so the bias gradient's bits - the same on every GPU.
+# and so the bias gradient's bits - the same on every GPU. The unweighted GLU backward runs more
+# of them: H200, bf16, raw backward / copy floor, 4096 against 1024 programs: 1.27 against 1.35
+# at 65536 x 1536, 1.37 against 1.60 at 16384 x 2880 (gpt-oss), 1.24 against 1.28 at 16384 x
+# 8192; weighted and non-gated calls lost 0.01-0.09 with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
+_BIAS_PROGRAMS_GLU = 4096
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -784,7 +807,8 @@ def triton_backward(
     col_blocks = _cdiv(F, block_n)
     row_blocks = _cdiv(rows, block_m)
     if v.has_bias:
-        row_programs = min(row_blocks, max(1, _BIAS_PROGRAMS // col_blocks))
+        programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
+        row_programs = min(row_blocks, max(1, programs // col_blocks))
         rows_per_program = block_m * _cdiv(row_blocks, row_programs)
         row_programs = _cdiv(rows, rows_per_program)
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)

@@ -79,7 +79,8 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 
     # 4 programs over the column blocks: 2 row programs per column block for the non-gated
     # kernel (2 blocks), 1 for the gated one (3 blocks), each looping over several row blocks.
-    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 4)
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU"):
+        monkeypatch.setattr(triton_kernels, constant, 4)
     for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # unweighted: 2 rows per block at 128 columns
         monkeypatch.setattr(triton_kernels, constant, 256)
     with use_kernel_backend("triton"):
@@ -124,7 +125,8 @@ def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkey
     # a non-gated forward runs the flat kernel, which has no tiles); with 12 bias programs, four
     # row programs in the backward, each looping over several row blocks (8 rows for a GLU, 2 for
     # the non-gated kind at a 256-element tile, 1 with probabilities).
-    monkeypatch.setattr(tk, "_BIAS_PROGRAMS", 12)
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU"):
+        monkeypatch.setattr(tk, constant, 12)
     monkeypatch.setattr(tk, "_BWD_TILE", 256)
     rows = 75
     spec = SPECS[name]
