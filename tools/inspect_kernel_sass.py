@@ -147,13 +147,19 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
     parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated CASES names")
     args = parser.parse_args(argv)
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     dtype = getattr(torch, args.dtype)
     print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
     print("registers / local (spill) bytes / load span (SASS instructions), per kernel")
     print("| activation | forward | backward | forward, probs | backward, probs |")
     print("|---|---|---|---|---|")
-    for name, spec in CASES.items():
+    for name in names:
+        spec = CASES[name]
         cells = []
         for has_probs in (False, True):
             for backward in (False, True):

@@ -1,0 +1,81 @@
+"""The kernel diagnostics: the SASS report (compiled for sm_90 on the CPU machine) and the A/B
+benchmark's argument parsing and baseline loading."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.benchmark_kernel_ab import load_baseline, parse_candidate, parse_shape
+from tools.inspect_kernel_sass import parse_report
+
+ROOT = Path(__file__).resolve().parents[3]
+
+USAGE = """
+ Function _activation_bwd_kernel:
+  REG:56 STACK:0 SHARED:16 LOCAL:8 CONSTANT[0]:608 TEXTURE:0 SURFACE:0 SAMPLER:0
+"""
+SASS = """
+        /*0650*/                   LDG.E R20, desc[UR18][R20.64] ;
+        /*0670*/               @P1 LDG.E.128 R4, desc[UR18][R22.64] ;
+        /*06c0*/               @P1 LDG.E.128 R8, desc[UR18][R2.64] ;
+        /*0a60*/              @!P1 LDG.E.128 R4, desc[UR18][R2.64] ;
+        /*1b40*/               @P1 STG.E.128 desc[UR18][R2.64], R4 ;
+"""
+
+
+def test_parse_report_reads_registers_and_the_load_span():
+    report = parse_report(USAGE, SASS)
+    # 128-bit loads at byte offsets 0x670 and 0xa60: 63 instructions of 16 bytes apart.
+    assert report == {"registers": 56, "local_bytes": 8, "shared_bytes": 16, "load_span": 63}
+    assert parse_report(USAGE, "")["load_span"] is None
+
+
+def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
+    """The tool compiles one activation's four kernels with Triton's own ptxas and cuobjdump
+    (not the interpreter: it inspects real machine code)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "tools/inspect_kernel_sass.py",
+            "--ffn",
+            "1536",
+            "--cases",
+            "SwiGLU(clamp=7)",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)"))
+    cells = [c.strip() for c in row.strip("|").split("|")[1:]]
+    assert len(cells) == 4  # forward, backward, each with and without probabilities
+    for cell in cells:
+        registers, local, span = (part.strip() for part in cell.split("/"))
+        assert 16 <= int(registers) <= 255 and int(local) >= 0 and span != "None"
+
+
+def test_parse_candidate_and_shape():
+    assert parse_candidate("_BIAS_PROGRAMS=4096,_BWD_PROBS_MAX_REGISTERS=None") == {
+        "_BIAS_PROGRAMS": 4096,
+        "_BWD_PROBS_MAX_REGISTERS": None,
+    }
+    with pytest.raises(ValueError, match="no constant '_NOT_A_CONSTANT'"):
+        parse_candidate("_NOT_A_CONSTANT=1")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_candidate("_BIAS_PROGRAMS")
+    assert parse_shape("65536x1536") == (65536, 1536)
+    with pytest.raises(ValueError, match="ROWSxWIDTH"):
+        parse_shape("65536")
+
+
+def test_load_baseline_imports_the_kernels_of_a_commit(tmp_path):
+    baseline = load_baseline("HEAD", str(tmp_path))
+    assert baseline.__name__ == "baseline_triton_kernels"
+    assert callable(baseline.triton_backward) and callable(baseline.triton_forward)

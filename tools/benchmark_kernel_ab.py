@@ -1,0 +1,180 @@
+"""The raw Triton kernels of this tree against those of another commit, in turns, on one GPU.
+
+Usage (GPU)::
+
+    python tools/benchmark_kernel_ab.py --baseline REV [--backward] [--bias] [--probs]
+        [--shapes 65536x1536,16384x8192] [--cases SwiGLU,SwiGLU(clamp=7)]
+        [--candidate NAME=VALUE[,NAME=VALUE...]] [--json out.json]
+
+``REV``'s ``mcore_activations/fusions/triton_kernels.py`` is loaded from git as a module of its
+own, next to this tree's, so both kernel families run in one process. For each case and shape
+the script checks that the two agree (to the rounding of the dtype; the probability gradient to
+1e-4 of its largest value, as a float32 sum in another order), then times, in turns
+(``time_interleaved``): a copy of the same bytes (the floor), this tree's call without the bias
+and probabilities (what the variant adds), the baseline's call, this tree's, and this tree's with
+each ``--candidate`` set of ``triton_kernels`` constants. It prints time / floor and the ratio of
+this tree to the baseline. Session 8's measurements of the weighted and bias backward
+(docs/performance.md, runs 31-33) were taken this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mcore_activations.activation_spec import ActivationKind, ActivationSpec  # noqa: E402
+from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
+from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
+from tools.benchmark_activations import copy_fn, time_interleaved  # noqa: E402
+from tools.benchmark_kernel_variants import (  # noqa: E402
+    GLU_CASES,
+    _with_constants,
+    check_formulation,
+)
+
+KERNELS = "mcore_activations/fusions/triton_kernels.py"
+CASES = GLU_CASES | {
+    "squared-ReLU": (ActivationSpec(ActivationKind.SQUARED_RELU), torch.bfloat16),
+}
+
+
+def load_baseline(rev: str, directory: str):
+    """``triton_kernels`` as of git revision ``rev``, imported from a copy in ``directory``."""
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{KERNELS}"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    path = Path(directory) / "baseline_triton_kernels.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_candidate(text: str) -> dict:
+    """``"A=1,B=None"`` -> ``{"A": 1, "B": None}`` (values are Python literals)."""
+    import ast
+
+    constants = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if not name.strip() or not value.strip():
+            raise ValueError(f"--candidate wants NAME=VALUE[,NAME=VALUE...], got {text!r}")
+        if not hasattr(tk, name.strip()):
+            raise ValueError(f"--candidate: triton_kernels has no constant {name.strip()!r}")
+        constants[name.strip()] = ast.literal_eval(value.strip())
+    return constants
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"65536x1536"`` -> ``(65536, 1536)`` (rows, output width)."""
+    rows, sep, ffn = text.lower().partition("x")
+    if not sep or not rows.isdigit() or not ffn.isdigit():
+        raise ValueError(f"--shapes wants ROWSxWIDTH items such as 65536x1536, got {text!r}")
+    return int(rows), int(ffn)
+
+
+def bench_case(baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, candidates):
+    """``{label: time / floor}`` of one case, every candidate in the same turns."""
+    width = 2 * ffn if spec.gated else ffn
+    x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4  # large enough for the clamps
+    grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
+    bias = torch.randn(width, device="cuda", dtype=dtype) if has_bias else None
+    probs = torch.rand(rows, 1, device="cuda") if has_probs else None
+    params = ak.params_tensor(ak.spec_params(spec), x.device)
+    variant = ak.KernelVariant.of(spec, has_bias=has_bias, has_probs=has_probs)
+    plain = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+
+    def call(module, v=variant, b=bias, p=probs):
+        if backward:
+            return lambda: module.triton_backward(v, grad, x, b, p, params)
+        return lambda: module.triton_forward(v, x, b, p, params)
+
+    ours, theirs = call(tk)(), call(baseline)()
+    if not backward:
+        ours, theirs = (ours,), (theirs,)
+    for i, (mine, base) in enumerate(zip(ours, theirs)):
+        if i == 0:
+            check_formulation("this tree against the baseline", mine, base)
+        elif mine is not None:
+            # The bias and probability gradients are float32 sums whose order follows the plan.
+            scale = base.float().abs().max().item()
+            torch.testing.assert_close(mine, base, rtol=1e-4, atol=1e-4 * scale)
+    # Forward: read the input, write the output; backward: also read the output gradient and
+    # write the input gradient in the input's layout.
+    elements = rows * (width + ffn + (width if backward else 0))
+    group = {"floor": copy_fn(elements * dtype.itemsize)}
+    if has_bias or has_probs:
+        group["plain"] = call(tk, plain, None, None)
+    group["baseline"] = call(baseline)
+    group["this tree"] = call(tk)
+    for constants in candidates:
+        label = ", ".join(f"{k}={v}" for k, v in constants.items())
+        group[label] = _with_constants(tk, constants, call(tk))
+    with torch.no_grad():
+        times = time_interleaved(group, repeats=9)
+    floor = times.pop("floor")
+    row = {label: t / floor for label, t in times.items()}
+    row["this tree / baseline"] = times["this tree"] / times["baseline"]
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
+    parser.add_argument("--backward", action="store_true", help="time the backward kernels")
+    parser.add_argument("--bias", action="store_true")
+    parser.add_argument("--probs", action="store_true")
+    parser.add_argument("--shapes", default="65536x1536,16384x8192")
+    parser.add_argument("--cases", default="SwiGLU,SwiGLU(clamp=7),quick-GEGLU(gpt-oss)")
+    parser.add_argument("--candidate", action="append", default=[], type=parse_candidate)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_kernel_ab needs a CUDA GPU")
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    env |= {"baseline": args.baseline, "backward": args.backward}
+    env |= {"bias": args.bias, "probs": args.probs}
+    print(json.dumps(env), flush=True)
+    results = {"env": env}
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = load_baseline(args.baseline, tmp)
+        for rows, ffn in shapes:
+            for name in names:
+                spec, dtype = CASES[name]
+                row = bench_case(
+                    baseline,
+                    spec,
+                    dtype,
+                    rows,
+                    ffn,
+                    args.backward,
+                    args.bias,
+                    args.probs,
+                    args.candidate,
+                )
+                key = f"{name} {rows} x {ffn}"
+                results[key] = row
+                cells = " | ".join(f"{label} {value:.3f}" for label, value in row.items())
+                print(f"| {key} | {cells} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
