@@ -400,8 +400,9 @@ def _activation_bwd_kernel(
         # blocks and sum over the tile's rows once, after the loop: a sum over rows inside the
         # loop crosses warps (shared memory and a barrier) on every trip, which ran the
         # unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
-        # session 8). One-row tiles (the weighted plan) add each row as it comes, which measured
-        # faster for them (docs/performance.md).
+        # session 8). One-row tiles (the weighted plan, and GLUs with 1024-column blocks) add
+        # each row as it comes: for the weighted plan that measured faster than element-wise
+        # accumulators, and the unweighted one-row kernels compile as before (docs/performance.md).
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N) if BLOCK_M > 1 else (BLOCK_N,), tl.float32)
         if GATED:
@@ -634,7 +635,10 @@ def _probs_backward_plan(
     rows of 512 over 4 warps ran at 1.25, one row over 4 warps at 1.19, over 2 warps at 1.09 and
     over 1 warp at 1.19; at F = 8192 (1024-column blocks) one row over 4 warps ran at 1.07, over 2
     warps at 1.10. Both optima hold eight columns per thread; column blocks narrower than 256
-    (e.g. 128 at F = 384) get one warp and fewer columns per thread.
+    (e.g. 128 at F = 384) get one warp and fewer columns per thread. With column blocks fastest
+    (run 30) one row over 4 warps at F = 8192 and over 2 at F = 1536 still measured best: two,
+    four or eight rows per program, one warp per row (no cross-warp sum), 4 or 16 columns per
+    thread and 2048-column blocks read 0.01-0.33 slower.
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
