@@ -636,9 +636,10 @@ def _probs_backward_plan(
     over 1 warp at 1.19; at F = 8192 (1024-column blocks) one row over 4 warps ran at 1.07, over 2
     warps at 1.10. Both optima hold eight columns per thread; column blocks narrower than 256
     (e.g. 128 at F = 384) get one warp and fewer columns per thread. With column blocks fastest
-    (run 30) one row over 4 warps at F = 8192 and over 2 at F = 1536 still measured best: two,
-    four or eight rows per program, one warp per row (no cross-warp sum), 4 or 16 columns per
-    thread and 2048-column blocks read 0.01-0.33 slower.
+    (run 30, the kernel before session 8's register changes) the alternatives - two, four or
+    eight rows per program, one warp per row (no cross-warp sum), 4 or 16 columns per thread,
+    2048-column blocks - read the same or up to 0.34 slower, except 16 columns per thread for
+    the clamped SwiGLU at F = 8192 (1.08 against 1.10), which read 1.19 against 1.11 at 1536.
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
