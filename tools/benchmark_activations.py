@@ -3,7 +3,7 @@ memory floor.
 
 Usage (GPU)::
 
-    python tools/benchmark_activations.py [--suite headline|sweep|full] [--json out.json]
+    python tools/benchmark_activations.py [--suite headline|sweep|full] [--bias] [--json out.json]
 
 For each activation spec, dtype, shape ``T x H`` (input ``[T, 2H]`` for a GLU, ``[T, H]``
 otherwise) and weighting (per-row probabilities or none), in one run on one device, it times
@@ -15,6 +15,10 @@ forward and forward+backward of:
 - ``compile``: plain ``torch.compile`` of the same float32 math with the scalars in a tensor (the
   reference body, autograd-derived backward; static shapes, compiled per shape);
 - ``eager``: ``unfused_activation``, torch ops with autograd (headline suite only).
+
+With ``--bias`` every row adds a bias of the input's width, whose gradient the backward computes
+too: ``ours`` and ``compile`` take it as an input, ``te`` and ``eager`` run on ``x + bias``
+(TE fuses a bias into the GEMM before the activation, not into the activation op).
 
 ``floor`` is a device-to-device copy of the bytes the activation must move, measured in the same
 run: forward reads the input and writes the output; backward reads the input and the output
@@ -147,29 +151,31 @@ def te_candidate(spec, weighted):
     return lambda x, p: op(x)
 
 
-def compile_candidate(spec, weighted):
-    """Plain torch.compile of the reference math, scalars as a tensor, static shapes."""
-    variant = KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+def compile_candidate(spec, weighted, bias=None):
+    """Plain torch.compile of the reference math, scalars as a tensor, static shapes; with
+    ``bias`` (a tensor), the bias is an input of the compiled function too."""
+    variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=weighted)
     params = params_tensor(spec_params(spec), torch.device("cuda"))
     torch._dynamo.reset()  # each shape compiles its own static graphs
 
     @torch.compile(dynamic=False)
-    def math(x, p):
-        return forward_math(variant, x, None, p, params)
+    def math(x, p, b):
+        return forward_math(variant, x, b, p, params)
 
-    return math
+    return lambda x, p: math(x, p, bias)
 
 
-def candidates(spec, weighted, with_eager):
-    found = {"ours": lambda x, p: fused_activation(x, spec, probs=p)}
+def candidates(spec, weighted, with_eager, bias=None):
+    """``label -> fn(x, probs)`` of a row; ``bias`` (or None) is added by each candidate."""
+    found = {"ours": lambda x, p: fused_activation(x, spec, bias=bias, probs=p)}
     te = te_candidate(spec, weighted)
     if te is not None:
-        found["te"] = te
-    found["compile"] = compile_candidate(spec, weighted)
+        found["te"] = te if bias is None else (lambda x, p: te(x + bias, p))
+    found["compile"] = compile_candidate(spec, weighted, bias)
     if with_eager:
 
         def eager(x, p):
-            out = unfused_activation(x, spec)
+            out = unfused_activation(x if bias is None else x + bias, spec)
             return out * p.to(out.dtype) if p is not None else out
 
         found["eager"] = eager
@@ -190,9 +196,9 @@ def batch_calls(T: int, width: int, floor_ms: float = 0.0, min_batch_ms: float =
     return calls
 
 
-def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0):
+def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0, with_bias=False):
     """Times every candidate on one configuration; returns a result row (``min_batch_ms``: see
-    :func:`batch_calls`)."""
+    :func:`batch_calls`; ``with_bias``: a bias of the input's width, with its gradient)."""
     width = 2 * H if spec.gated else H
     size = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
@@ -200,6 +206,7 @@ def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0):
     probs = torch.rand(T, 1, device="cuda") if weighted else None
     xg = x.clone().requires_grad_()
     pg = probs.clone().requires_grad_() if weighted else None
+    bias = torch.randn(width, device="cuda", dtype=dtype).requires_grad_() if with_bias else None
     fwd_bytes = T * (width + H) * size
     bwd_bytes = T * (2 * width + H) * size
     row = {
@@ -208,14 +215,16 @@ def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0):
         "T": T,
         "H": H,
         "weighted": weighted,
+        "bias": with_bias,
     }
-    found = candidates(spec, weighted, with_eager)
+    found = candidates(spec, weighted, with_eager, bias)
 
     def fwd_bwd(fn):
         def call():
             xg.grad = None
-            if pg is not None:
-                pg.grad = None
+            for leaf in (pg, bias):
+                if leaf is not None:
+                    leaf.grad = None
             fn(xg, pg).backward(grad)
 
         return call
@@ -282,9 +291,9 @@ def environment():
 def markdown(rows):
     """The result rows as a markdown table: ms, and x the floor in parentheses."""
     labels = ["ours", "te", "compile", "eager"]
-    head = "| spec | dtype | T x H | probs | floor fwd / f+b ms |"
+    head = "| spec | dtype | T x H | probs | bias | floor fwd / f+b ms |"
     head += "".join(f" {label} fwd / f+b |" for label in labels)
-    lines = [head, "|" + "---|" * (5 + len(labels))]
+    lines = [head, "|" + "---|" * (6 + len(labels))]
     for r in rows:
         cells = []
         for label in labels:
@@ -297,6 +306,7 @@ def markdown(rows):
             cells.append(f"{f:.3f} ({f / floor_f:.2f}) / {fb:.3f} ({fb / floor_fb:.2f})")
         lines.append(
             f"| {r['spec']} | {r['dtype']} | {r['T']} x {r['H']} | {'yes' if r['weighted'] else ''}"
+            f" | {'yes' if r.get('bias') else ''}"
             f" | {r['floor_fwd_ms']:.3f} / {r['floor_fwd_bwd_ms']:.3f} | "
             + " | ".join(cells)
             + " |"
@@ -314,6 +324,9 @@ def main(argv=None):
         "--dtype", action="append", choices=["bfloat16", "float16", "float32"], help="only these"
     )
     parser.add_argument("--no-eager", action="store_true", help="leave out the eager column")
+    parser.add_argument(
+        "--bias", action="store_true", help="every row with a bias of the input's width"
+    )
     parser.add_argument(
         "--min-batch-ms",
         type=float,
@@ -334,7 +347,7 @@ def main(argv=None):
         if args.dtype and str(dtype).replace("torch.", "") not in args.dtype:
             continue
         eager = with_eager and not args.no_eager
-        rows.append(bench(name, spec, T, H, dtype, weighted, eager, args.min_batch_ms))
+        rows.append(bench(name, spec, T, H, dtype, weighted, eager, args.min_batch_ms, args.bias))
         torch.cuda.empty_cache()
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))

@@ -16,3 +16,17 @@ def test_batch_calls_fill_the_minimum_batch_time_within_bounds():
     # Never fewer than the size rule gives, never more than 2000.
     assert batch_calls(256, 2048, floor_ms=1.0, min_batch_ms=25) == 200
     assert batch_calls(256, 2048, floor_ms=0.001, min_batch_ms=25) == 2000
+
+
+def test_markdown_marks_bias_rows_and_reads_rows_without_the_field():
+    """Rows timed with ``--bias`` say so in their own column; rows of earlier JSON files, which
+    have no ``bias`` field, read as without."""
+    from tools.benchmark_activations import markdown
+
+    base = {"spec": "SwiGLU", "dtype": "bfloat16", "T": 8, "H": 64, "weighted": True}
+    base |= {"floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 2.0, "ours_fwd_ms": 1.5}
+    base |= {"ours_fwd_bwd_ms": 3.0}
+    lines = markdown([base | {"bias": True}, base]).splitlines()
+    assert lines[0].split("|")[4:6] == [" probs ", " bias "]
+    assert [line.split("|")[4:6] for line in lines[2:]] == [[" yes ", " yes "], [" yes ", "  "]]
+    assert "1.500 (1.50) / 3.000 (1.50)" in lines[2]
