@@ -451,10 +451,12 @@ REDUCE_SPECS = ("SwiGLU(clamp=7)", "SwiGLU")
 # (tile elements, warps) of the unweighted GLU backward's one-row plan, widest block 1024.
 REDUCE_CONFIGS = [(1024, 4), (512, 2), (1024, 2), (2048, 4)]
 # (rows per program, widest column block, columns per warp, register cap) of the weighted
-# backward's plan: the current one first, then without the cap; one warp per row where a warp
-# holds the whole block (no cross-warp sum).
-PROBS_CONFIGS = [(1, 1024, 256, 48), (1, 1024, 256, None), (1, 1024, 256, 40)]
-PROBS_CONFIGS += [(1, 1024, 128, 48), (1, 1024, 512, 48), (2, 256, 256, 48), (4, 256, 256, 48)]
+# backward's plan: the current one first, then with register caps, then other shapes (run 30's
+# sweep); one warp per row where a warp holds the whole block (no cross-warp sum).
+PROBS_CONFIGS = [(1, 1024, 256, None), (1, 1024, 256, 48), (1, 1024, 256, 40)]
+PROBS_CONFIGS += [(1, 1024, 128, None), (1, 1024, 512, None), (1, 1024, 1024, None)]
+PROBS_CONFIGS += [(2, 512, 256, None), (2, 256, 256, None), (4, 256, 256, None)]
+PROBS_CONFIGS += [(8, 256, 256, None), (1, 2048, 256, None)]
 
 
 def bench_reduce(spec, rows, ffn, dtype):

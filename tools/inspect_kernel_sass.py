@@ -1,6 +1,7 @@
 """What the compiler made of the activation kernels, without a GPU.
 
-Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--dtype bfloat16] [--arch 90]``
+Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--rows 16384] [--dtype bfloat16]
+[--arch 90] [--bias] [--cases NAME ...]``
 
 Compiles the Triton kernels of each activation for an NVIDIA architecture on any machine (Triton
 ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
@@ -12,8 +13,9 @@ for memory twice. Registers bound how many warps an SM holds (65536 registers; 6
 leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides latency.
 
 This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
-(docs/performance.md, session 8): 64 registers and a deferred third load, against 48 and one
-span. It is a diagnostic, not a benchmark: the times come from the H200 runs.
+(docs/performance.md, session 8): 64 registers and a load span of 63 instructions, against 48
+registers and 19 for the unweighted kernel. It is a diagnostic, not a benchmark: the times come
+from the H200 runs.
 """
 
 from __future__ import annotations
@@ -143,13 +145,18 @@ def parse_report(usage: str, sass: str) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ffn", type=int, default=8192)
-    parser.add_argument("--rows", type=int, default=16384, help="only the flat kernels use it")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        default=16384,
+        help="rows of the launch (divisibility hints, bias plans)",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
     parser.add_argument("--bias", action="store_true")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated CASES names")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), help="names from CASES")
     args = parser.parse_args(argv)
-    names = args.cases.split(",")
+    names = args.cases
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
@@ -165,10 +172,13 @@ def main(argv=None):
             for backward in (False, True):
                 v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
                 kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward)
-                # rows_per_program is the row block's height unless a bias is reduced (bias
-                # programs walk several blocks); either way it is rarely a multiple of 16.
+                # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
                 ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
-                ints["rows_per_program"] = plan[0] if plan[1] else 1
+                if plan[1] is not None:  # a tiled kernel
+                    col_blocks = -(-args.ffn // plan[1])
+                    ints["rows_per_program"] = tk._row_programs(v, args.rows, plan[0], col_blocks)[
+                        0
+                    ]
                 compiled = compile_kernel(
                     kernel, plan, dtype, args.bias, has_probs, ints, args.arch
                 )

@@ -216,23 +216,6 @@ def _glu_columns(cols, F, INTERLEAVE: tl.constexpr):
 
 
 @triton.jit
-def _bias_terms(d, mask, BLOCK_M: tl.constexpr):
-    """One trip's bias-gradient terms: the tile itself, or for a one-row tile its only row."""
-    terms = tl.where(mask, d, 0.0)
-    if BLOCK_M == 1:
-        terms = tl.sum(terms, axis=0)
-    return terms
-
-
-@triton.jit
-def _rows_sum(acc, BLOCK_M: tl.constexpr):
-    """The bias-gradient accumulator summed over the tile's rows (see _bias_terms)."""
-    if BLOCK_M > 1:
-        acc = tl.sum(acc, axis=0)
-    return acc
-
-
-@triton.jit
 def _tile_ids(F, BLOCK_N: tl.constexpr, COLUMNS_FASTEST: tl.constexpr):
     """``(row block, column block)`` of this program.
 
@@ -396,18 +379,17 @@ def _activation_bwd_kernel(
         gcol = cols
         lcol = cols
     if HAS_BIAS:
-        # Tiles of several rows accumulate the bias gradient element-wise over the program's row
-        # blocks and sum over the tile's rows once, after the loop: a sum over rows inside the
-        # loop crosses warps (shared memory and a barrier) on every trip, which ran the
-        # unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
-        # session 8). One-row tiles (the weighted plan, and GLUs with 1024-column blocks) add
-        # each row as it comes: for the weighted plan that measured faster than element-wise
-        # accumulators, and the unweighted one-row kernels compile as before (docs/performance.md).
+        # The bias gradient accumulates element-wise over the program's row blocks and is summed
+        # over the tile's rows once, after the loop: a sum over rows inside the loop crosses
+        # warps (shared memory and a barrier) on every trip of a tile of several rows, which ran
+        # the unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
+        # session 8). For one-row tiles both forms add the same numbers in the same order and
+        # compile to the same SASS (tools/inspect_kernel_sass.py).
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N) if BLOCK_M > 1 else (BLOCK_N,), tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if GATED:
             bias_l = tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_l = tl.zeros((BLOCK_M, BLOCK_N) if BLOCK_M > 1 else (BLOCK_N,), tl.float32)
+            acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling.
     for m in range(0, rows_per_program, BLOCK_M):
@@ -444,8 +426,8 @@ def _activation_bwd_kernel(
             tl.store(dx_row + gcol[None, :], d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_row + lcol[None, :], d_linear.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += _bias_terms(d_gate, mask, BLOCK_M)
-                acc_l += _bias_terms(d_linear, mask, BLOCK_M)
+                acc_g += tl.where(mask, d_gate, 0.0)
+                acc_l += tl.where(mask, d_linear, 0.0)
         else:
             h = tl.load(x_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
@@ -454,20 +436,21 @@ def _activation_bwd_kernel(
             d_h = g * p * d if HAS_PROBS else g * d
             tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += _bias_terms(d_h, mask, BLOCK_M)
+                acc_g += tl.where(mask, d_h, 0.0)
             if HAS_PROBS:
                 dprobs_terms = g * y
         if HAS_PROBS:
-            # No mask: a masked element loads g = 0 and x = 0 (its bias, too, where its column is
-            # masked), whose activation is finite, so its term is exactly zero; rows past the end
-            # are not stored. The select the mask would cost made ptxas defer one of the three
-            # streamed loads until the first was consumed (bf16 clamped SwiGLU on sm_90).
+            # No mask: an element of a padded column loads g = 0, x = 0 and bias 0, whose
+            # activation and linear factor (the offset) are finite, so its term is +-0; a padded
+            # row's sum (which may see the real bias, inf included) is never stored. The select
+            # the mask would cost made ptxas defer one of the three streamed loads until the
+            # first was consumed (bf16 clamped SwiGLU on sm_90).
             part = tl.sum(dprobs_terms, axis=1)
             tl.store(dprobs_part_ptr + pid_n * rows + row, part, mask=row_ok)
     if HAS_BIAS:
-        tl.store(dbias_part_ptr + pid_m * W + gcol, _rows_sum(acc_g, BLOCK_M), mask=col_ok)
+        tl.store(dbias_part_ptr + pid_m * W + gcol, tl.sum(acc_g, axis=0), mask=col_ok)
         if GATED:
-            tl.store(dbias_part_ptr + pid_m * W + lcol, _rows_sum(acc_l, BLOCK_M), mask=col_ok)
+            tl.store(dbias_part_ptr + pid_m * W + lcol, tl.sum(acc_l, axis=0), mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -509,7 +492,7 @@ _FLAT_UNARY = True
 # and so the bias gradient's bits - the same on every GPU. The unweighted GLU backward runs more
 # of them: H200, bf16, raw backward / copy floor, 4096 against 1024 programs: 1.27 against 1.35
 # at 65536 x 1536, 1.37 against 1.60 at 16384 x 2880 (gpt-oss), 1.24 against 1.28 at 16384 x
-# 8192; weighted and non-gated calls lost 0.01-0.09 with more (docs/performance.md, session 8).
+# 8192; weighted and non-gated calls lost up to 0.11 with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
@@ -637,9 +620,10 @@ def _probs_backward_plan(
     warps at 1.10. Both optima hold eight columns per thread; column blocks narrower than 256
     (e.g. 128 at F = 384) get one warp and fewer columns per thread. With column blocks fastest
     (run 30, the kernel before session 8's register changes) the alternatives - two, four or
-    eight rows per program, one warp per row (no cross-warp sum), 4 or 16 columns per thread,
-    2048-column blocks - read the same or up to 0.34 slower, except 16 columns per thread for
-    the clamped SwiGLU at F = 8192 (1.08 against 1.10), which read 1.19 against 1.11 at 1536.
+    eight rows per program, one warp per row (no cross-warp sum), 4, 16 or 32 columns per
+    thread, 2048-column blocks - read the same or up to 0.34 slower, except 16 columns per
+    thread for the clamped SwiGLU at F = 8192 (1.08 against 1.10), which read 1.19 against 1.11
+    at 1536.
     """
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
@@ -786,6 +770,18 @@ def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
         _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
 
 
+def _row_programs(v, rows: int, block_m: int, col_blocks: int) -> tuple[int, int]:
+    """``(rows per program, programs per column block)`` of the tiled backward: one row block
+    each without a bias; with one, a fixed number of programs sharing the rows in ranges."""
+    row_blocks = _cdiv(rows, block_m)
+    if not v.has_bias:
+        return block_m, row_blocks
+    programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
+    row_programs = min(row_blocks, max(1, programs // col_blocks))
+    rows_per_program = block_m * _cdiv(row_blocks, row_programs)
+    return rows_per_program, _cdiv(rows, rows_per_program)
+
+
 def triton_backward(
     v, grad, x, bias, probs, params
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -810,15 +806,10 @@ def triton_backward(
     plan = _backward_plan(v, F, x.element_size())
     block_m, block_n = plan[0], plan[1]
     col_blocks = _cdiv(F, block_n)
-    row_blocks = _cdiv(rows, block_m)
+    rows_per_program, row_programs = _row_programs(v, rows, block_m, col_blocks)
+    dbias_part = None
     if v.has_bias:
-        programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
-        row_programs = min(row_blocks, max(1, programs // col_blocks))
-        rows_per_program = block_m * _cdiv(row_blocks, row_programs)
-        row_programs = _cdiv(rows, rows_per_program)
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)
-    else:
-        rows_per_program, row_programs, dbias_part = block_m, row_blocks, None
     # Per-column-block partial sums of the probability gradient, [col_blocks, rows, 1]. With one
     # column block the kernel writes the finished [rows, 1] gradient and no index, sum or cast
     # follows: each costs microseconds of host time, a share of a small expert's call.

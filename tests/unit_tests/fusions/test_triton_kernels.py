@@ -94,9 +94,11 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 def test_triton_weighted_backward_with_several_rows_per_program(name, device, monkeypatch):
     """The weighted backward's plan with several rows of a column block per program (one warp
     per row of 128 columns: ``_probs_backward_plan``), a partial last row block (19 rows over
-    blocks of 4) and three column blocks of probability partials."""
+    blocks of 4), three column blocks of probability partials and, with 3 bias programs, one
+    program per column block looping over all five row blocks."""
     from mcore_activations.fusions import triton_kernels
 
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 3)
     monkeypatch.setattr(triton_kernels, "_BWD_PROBS_ROWS", 4)
     monkeypatch.setattr(triton_kernels, "_BWD_PROBS_MAX_BLOCK_N", 128)
     monkeypatch.setattr(triton_kernels, "_BWD_PROBS_COLUMNS_PER_WARP", 128)
@@ -107,6 +109,22 @@ def test_triton_weighted_backward_with_several_rows_per_program(name, device, mo
     with use_kernel_backend("triton"):
         check_against_reference(
             SPECS[name], torch.float32, True, True, device=device, rows=19, ffn=300
+        )
+
+
+@pytest.mark.parametrize("device", BOTH)
+def test_triton_weighted_backward_register_cap(device, monkeypatch):
+    """A register cap (``_BWD_PROBS_MAX_REGISTERS``, off by default) reaches the launch as
+    Triton's ``maxnreg`` and leaves the gradients right; without one the plan passes none."""
+    from mcore_activations.fusions import triton_kernels
+
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=True)
+    assert "maxnreg" not in triton_kernels._backward_plan(variant, 300, 4)[2]
+    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_MAX_REGISTERS", 40)
+    assert triton_kernels._backward_plan(variant, 300, 4)[2]["maxnreg"] == 40
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS["swiglu_clamp"], torch.float32, True, True, device=device, rows=19, ffn=300
         )
 
 

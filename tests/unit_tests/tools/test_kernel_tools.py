@@ -1,6 +1,7 @@
 """The kernel diagnostics: the SASS report (compiled for sm_90 on the CPU machine) and the A/B
 benchmark's argument parsing and baseline loading."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -66,12 +67,14 @@ def test_parse_candidate_and_shape():
         "_BIAS_PROGRAMS": 4096,
         "_BWD_PROBS_MAX_REGISTERS": None,
     }
-    with pytest.raises(ValueError, match="no constant '_NOT_A_CONSTANT'"):
+    with pytest.raises(argparse.ArgumentTypeError, match="no constant '_NOT_A_CONSTANT'"):
         parse_candidate("_NOT_A_CONSTANT=1")
-    with pytest.raises(ValueError, match="NAME=VALUE"):
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
         parse_candidate("_BIAS_PROGRAMS")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
+        parse_candidate("_BIAS_PROGRAMS=many")
     assert parse_shape("65536x1536") == (65536, 1536)
-    with pytest.raises(ValueError, match="ROWSxWIDTH"):
+    with pytest.raises(argparse.ArgumentTypeError, match="ROWSxWIDTH"):
         parse_shape("65536")
 
 
