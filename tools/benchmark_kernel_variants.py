@@ -464,11 +464,11 @@ def bench_reduce(spec, rows, ffn, dtype):
 
     With probabilities the backward also reduces each row's ``grad * act`` to one value: where
     the row's block spans several warps, a cross-warp sum with a barrier in every program. The
-    weighted candidates vary the rows per program, the widest column block and the columns per
-    warp; the unweighted ones the tile and warps, so the weighted-within-5 % target compares in
-    one group. A second group times the forward with and without probabilities. Each candidate is
-    checked against the current plan's result first (to rounding: the sum's order follows the
-    tile).
+    weighted candidates vary the rows per program, the widest column block, the columns per
+    warp and the register cap; the unweighted ones the tile and warps, so the weighted-within-5 %
+    target compares in one group. A second group times the forward with and without
+    probabilities. Each candidate is checked against the current plan's result first (to
+    rounding: the sum's order follows the tile).
     """
     from mcore_activations.fusions import triton_kernels as tk
 
@@ -512,10 +512,6 @@ def bench_reduce(spec, rows, ffn, dtype):
         "probs fwd": lambda: tk.triton_forward(weighted, x, None, probs, params),
     }
     return row | _over_floor(forwards)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 # (tile elements, warps, widest column block). Forward: the current plan first, then

@@ -32,24 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_activations.activation_spec import ActivationKind, ActivationSpec  # noqa: E402
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
+from tools.benchmark_kernel_ab import CASES as AB_CASES  # noqa: E402
 
-_SILU = ActivationKind.SILU
-CASES = {
-    "SwiGLU": ActivationSpec(_SILU, gated=True),
-    "SwiGLU(clamp=7)": ActivationSpec(_SILU, gated=True, clamp_value=7.0),
-    "ReGLU": ActivationSpec(ActivationKind.RELU, gated=True),
-    "GEGLU": ActivationSpec(ActivationKind.GELU_TANH, gated=True),
-    "quick-GEGLU(gpt-oss)": ActivationSpec(
-        ActivationKind.QUICK_GELU, gated=True, clamp_value=7.0, linear_offset=1.0
-    ),
-    "SiTU-GLU(4,25)": ActivationSpec(
-        _SILU, gated=True, gate_tanh_scale=4.0, linear_tanh_scale=25.0
-    ),
-    "squared-ReLU": ActivationSpec(ActivationKind.SQUARED_RELU),
-}
+# The activations of the A/B benchmark, once each (its float32 entries repeat a bf16 one; the
+# dtype here is --dtype).
+CASES = {name: spec for name, (spec, dtype) in AB_CASES.items() if dtype == torch.bfloat16}
 # Pointers that carry the activation's dtype; the others (probs, params, partial sums) are float32.
 _DATA_POINTERS = {"x_ptr", "grad_ptr", "bias_ptr", "out_ptr", "dx_ptr"}
 _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
@@ -58,7 +47,7 @@ _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
 def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool):
     """The kernel and launch plan ``triton_forward`` / ``triton_backward`` pick for variant ``v``
     at width ``F`` (the flat kernels for non-gated calls without a reduction)."""
-    if not v.gated and tk._FLAT_UNARY and not (backward and (v.has_bias or v.has_probs)):
+    if tk.uses_flat_kernel(v, backward):
         kernel = tk._unary_bwd_flat_kernel if backward else tk._unary_fwd_flat_kernel
         return kernel, tk._flat_shape(v, kernel, rows * F, itemsize)
     if backward:

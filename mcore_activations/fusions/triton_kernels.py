@@ -707,6 +707,14 @@ _flat_backward_launcher = _Launcher(_unary_bwd_flat_kernel)
 _backward_launcher = _Launcher(_activation_bwd_kernel)
 
 
+def uses_flat_kernel(v, backward: bool) -> bool:
+    """Whether variant ``v`` runs a flat kernel (``_unary_*_flat_kernel``) rather than the tiled
+    one: non-gated forwards, and non-gated backwards with no bias or probabilities to reduce."""
+    if v.gated or not _FLAT_UNARY:
+        return False
+    return not (backward and (v.has_bias or v.has_probs))
+
+
 def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     """Forward of variant ``v`` on a contiguous 2-D ``x``; ``probs`` is ``[rows, 1]`` or None."""
     x, bias, probs = _contiguous(x, bias, probs)
@@ -715,7 +723,7 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
     out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    if not v.gated and _FLAT_UNARY:
+    if uses_flat_kernel(v, backward=False):
         _flat_forward(v, x, bias, probs, params, out, rows * F, F)
         return out
     plan = _forward_plan(v, F, x.element_size())
@@ -794,7 +802,7 @@ def triton_backward(
         dbias = torch.zeros_like(bias) if bias is not None else None
         dprobs = torch.zeros_like(probs) if probs is not None else None
         return dx, dbias, dprobs
-    if not v.gated and not v.has_bias and not v.has_probs and _FLAT_UNARY:
+    if uses_flat_kernel(v, backward=True):
         n = rows * F
         plan = _flat_shape(v, _unary_bwd_flat_kernel, n, x.element_size())
         args = (grad, x, params, dx, n)
