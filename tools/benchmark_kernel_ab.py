@@ -4,18 +4,22 @@ Usage (GPU)::
 
     python tools/benchmark_kernel_ab.py --baseline REV [--backward] [--bias] [--probs]
         [--shapes 65536x1536,16384x8192] [--cases SwiGLU "SwiGLU(clamp=7), fp32" ...]
-        [--candidate NAME=VALUE[,NAME=VALUE...]] [--json out.json]
+        [--candidate NAME=VALUE[,NAME=VALUE...]] [--variant LABEL=REV ...] [--json out.json]
 
 ``REV``'s ``mcore_activations/fusions/triton_kernels.py`` is loaded from git as a module of its
-own, next to this tree's, so both kernel families run in one process. For each case and shape
+own, next to this tree's, so both kernel families run in one process; ``REV`` may also be the
+path of a copy of that file (the GPU machine gets a snapshot of the tree, without git).
+``--variant`` adds more kernel sources the same way, each timed in the same turns under its
+label, so several formulations of a kernel compare in one run. For each case and shape
 the script checks that the two agree (the output or input gradient to the rounding of the dtype;
 the bias and probability gradients, sums whose order follows the plan, to 1e-4 of their largest
 value or two units of the dtype's rounding, whichever is larger), then times, in turns
 (``time_interleaved``): a copy of the same bytes (the floor), this tree's call without the bias
-and probabilities (what the variant adds), the baseline's call, this tree's, and this tree's with
-each ``--candidate`` set of ``triton_kernels`` constants. It prints time / floor and the ratio of
-this tree to the baseline. Session 8's measurements of the weighted and bias backward
-(docs/performance.md, runs 31-33) were taken with ad-hoc scripts of this form.
+and probabilities (what the variant adds), the baseline's call, this tree's, this tree's with
+each ``--candidate`` set of ``triton_kernels`` constants, and each ``--variant``'s. It prints
+time / floor and the ratio of this tree to the baseline. Session 8's measurements of the
+weighted and bias backward (docs/performance.md, runs 31-33) were taken with ad-hoc scripts of
+this form; session 9's (runs 34-35) with this one.
 """
 
 from __future__ import annotations
@@ -49,17 +53,33 @@ CASES = GLU_CASES | {
 }
 
 
-def load_baseline(rev: str, directory: str):
-    """``triton_kernels`` as of git revision ``rev``, imported from a copy in ``directory``."""
-    source = subprocess.run(
-        ["git", "show", f"{rev}:{KERNELS}"], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout
-    path = Path(directory) / "baseline_triton_kernels.py"
+def load_baseline(rev: str, directory: str, name: str = "baseline_triton_kernels"):
+    """``triton_kernels`` as of git revision ``rev`` (or of the file at path ``rev``), imported
+    as module ``name`` from a copy in ``directory``."""
+    if Path(rev).is_file():
+        source = Path(rev).read_text()
+    else:
+        source = subprocess.run(
+            ["git", "show", f"{rev}:{KERNELS}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    path = Path(directory) / f"{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("baseline_triton_kernels", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def parse_variant(text: str) -> tuple[str, str]:
+    """``"LABEL=REV"`` -> ``("LABEL", "REV")``; ``REV`` is a git revision or a file's path."""
+    label, sep, rev = text.partition("=")
+    if not sep or not label.strip() or not rev.strip():
+        raise argparse.ArgumentTypeError(f"--variant wants LABEL=REV, got {text!r}")
+    return label.strip(), rev.strip()
 
 
 def parse_candidate(text: str) -> dict:
@@ -97,8 +117,11 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(rows), int(ffn)
 
 
-def bench_case(baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, candidates):
-    """``{label: time / floor}`` of one case, every candidate in the same turns."""
+def bench_case(
+    baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, candidates, variants=()
+):
+    """``{label: time / floor}`` of one case, every candidate in the same turns (``variants``:
+    ``(label, module)`` pairs of other kernel sources)."""
     width = 2 * ffn if spec.gated else ffn
     x = torch.randn(rows, width, device="cuda", dtype=dtype) * 4  # large enough for the clamps
     grad = torch.randn(rows, ffn, device="cuda", dtype=dtype)
@@ -113,18 +136,19 @@ def bench_case(baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, 
             return lambda: module.triton_backward(v, grad, x, b, p, params)
         return lambda: module.triton_forward(v, x, b, p, params)
 
-    ours, theirs = call(tk)(), call(baseline)()
-    if not backward:
-        ours, theirs = (ours,), (theirs,)
-    for i, (mine, base) in enumerate(zip(ours, theirs)):
-        if i == 0:
-            check_formulation("this tree against the baseline", mine, base)
-        elif mine is not None:
-            # The bias and probability gradients are float32 sums whose order follows the plan,
-            # rounded to the bias's or probabilities' dtype.
-            tol = max(1e-4, 2 * torch.finfo(mine.dtype).eps)
-            scale = base.float().abs().max().item()
-            torch.testing.assert_close(mine, base, rtol=tol, atol=tol * scale)
+    theirs = call(baseline)()
+    for label, module in [("this tree", tk), *variants]:
+        ours = call(module)()
+        pairs = zip(ours, theirs) if backward else [(ours, theirs)]
+        for i, (mine, base) in enumerate(pairs):
+            if i == 0:
+                check_formulation(f"{label} against the baseline", mine, base)
+            elif mine is not None:
+                # The bias and probability gradients are float32 sums whose order follows the
+                # plan, rounded to the bias's or probabilities' dtype.
+                tol = max(1e-4, 2 * torch.finfo(mine.dtype).eps)
+                scale = base.float().abs().max().item()
+                torch.testing.assert_close(mine, base, rtol=tol, atol=tol * scale)
     # Forward: read the input, write the output; backward: also read the output gradient and
     # write the input gradient in the input's layout.
     elements = rows * (width + ffn + (width if backward else 0))
@@ -136,6 +160,8 @@ def bench_case(baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, 
     for constants in candidates:
         label = ", ".join(f"{k}={v}" for k, v in constants.items())
         group[label] = _with_constants(tk, constants, call(tk))
+    for label, module in variants:
+        group[label] = call(module)
     with torch.no_grad():
         times = time_interleaved(group, repeats=9)
     floor = times.pop("floor")
@@ -146,7 +172,9 @@ def bench_case(baseline, spec, dtype, rows, ffn, backward, has_bias, has_probs, 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", required=True, help="a git revision, e.g. HEAD~3")
+    parser.add_argument(
+        "--baseline", required=True, help="a git revision, e.g. HEAD~3, or a copy's path"
+    )
     parser.add_argument("--backward", action="store_true", help="time the backward kernels")
     parser.add_argument("--bias", action="store_true")
     parser.add_argument("--probs", action="store_true")
@@ -158,6 +186,13 @@ def main(argv=None):
         help="names from CASES (some contain commas: quote each name)",
     )
     parser.add_argument("--candidate", action="append", default=[], type=parse_candidate)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        type=parse_variant,
+        help="LABEL=REV: another kernel source (a git revision or a file's path) to time",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     try:
@@ -173,10 +208,15 @@ def main(argv=None):
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     env |= {"baseline": args.baseline, "backward": args.backward}
     env |= {"bias": args.bias, "probs": args.probs}
+    env |= {"variants": dict(args.variant)}
     print(json.dumps(env), flush=True)
     results = {"env": env}
     with tempfile.TemporaryDirectory() as tmp:
         baseline = load_baseline(args.baseline, tmp)
+        variants = [
+            (label, load_baseline(rev, tmp, f"variant_{i}_triton_kernels"))
+            for i, (label, rev) in enumerate(args.variant)
+        ]
         for rows, ffn in shapes:
             for name in names:
                 spec, dtype = CASES[name]
@@ -190,6 +230,7 @@ def main(argv=None):
                     args.bias,
                     args.probs,
                     args.candidate,
+                    variants,
                 )
                 key = f"{name} {rows} x {ffn}"
                 results[key] = row

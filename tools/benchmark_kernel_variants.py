@@ -20,7 +20,8 @@ may contract multiply-adds differently from eager) before it is timed.
   in ``triton_kernels``.
 - ``path``: where the time of a whole forward+backward through ``fused_activation`` goes: the
   raw kernels next to the full autograd path, and a profiler table of every CUDA kernel the
-  path launches (finds work around the kernels, e.g. copies or reductions).
+  path launches (finds work around the kernels, e.g. copies or reductions); ``--bias`` gives
+  every call a bias.
 - ``flat``: the non-gated kernels as one flat stream of elements per program
   (``_unary_fwd_flat_kernel``, and ``_unary_bwd_flat_kernel`` where no reduction is needed)
   against the 2-D tile kernels GLUs use, for several flat block sizes, with and without bias and
@@ -738,33 +739,38 @@ PATH_CASES = TILE_CASES | {
 }
 
 
-def bench_path(spec, weighted, rows, ffn, dtype):
+def bench_path(spec, weighted, rows, ffn, dtype, has_bias=False):
     """Raw kernels against the whole autograd path: GPU time, host time, allocations, kernels.
 
     ``host us`` is the wall time per call of 50 calls with one synchronisation at the end: when
-    it exceeds the GPU time, the path is bound by its host side at this shape. ``device allocs``
-    counts the caching allocator's cudaMalloc calls during those calls (each one can
-    synchronise the device).
+    it exceeds the GPU time, the path is bound by its host side at this shape (when the GPU is
+    the bound, the launch queue fills and the host waits, so host time reads as GPU time).
+    ``device allocs`` counts the caching allocator's cudaMalloc calls during those calls (each
+    one can synchronise the device). ``has_bias``: a bias of the input's width, with its
+    gradient. The profiler table lists every kernel the path launches, by GPU time.
     """
     import time
 
     from mcore_activations.fusions import triton_kernels as tk
     from mcore_activations.fusions.fused_activation import fused_activation
 
-    variant = ak.KernelVariant.of(spec, has_bias=False, has_probs=weighted)
+    variant = ak.KernelVariant.of(spec, has_bias=has_bias, has_probs=weighted)
     x, grad, probs, params, copy_fwd, copy_bwd = _raw_inputs(spec, weighted, rows, ffn, dtype)
     xg = x.clone().requires_grad_()
     pg = probs.clone().requires_grad_() if weighted else None
+    bias = None
+    if has_bias:
+        bias = torch.randn(x.shape[1], device="cuda", dtype=dtype).requires_grad_()
 
     def fwd_bwd():
-        xg.grad = None
-        if pg is not None:
-            pg.grad = None
-        fused_activation(xg, spec, probs=pg).backward(grad)
+        for leaf in (xg, pg, bias):
+            if leaf is not None:
+                leaf.grad = None
+        fused_activation(xg, spec, bias=bias, probs=pg).backward(grad)
 
     def raw():
-        tk.triton_forward(variant, x, None, probs, params)
-        tk.triton_backward(variant, grad, x, None, probs, params)
+        tk.triton_forward(variant, x, bias, probs, params)
+        tk.triton_backward(variant, grad, x, bias, probs, params)
 
     row = {}
     for label, fn in (("raw", raw), ("path", fwd_bwd)):
@@ -784,8 +790,11 @@ def bench_path(spec, weighted, rows, ffn, dtype):
         for _ in range(10):
             fwd_bwd()
         torch.cuda.synchronize()
-    print(f"\n10 forward+backward calls of {spec.name}, {rows} x {ffn}, weighted={weighted}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(
+        f"\n10 forward+backward calls of {spec.name}, {rows} x {ffn}, weighted={weighted}, "
+        f"bias={has_bias}"
+    )
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
     return row
 
 
@@ -886,8 +895,9 @@ def _print_table(title, rows, unit="time / copy of the same bytes", digits=2):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def _experiments(rows: int, ffn: int) -> dict:
-    """``name -> (title, run, table options)``; ``run()`` returns ``{case: result row}``."""
+def _experiments(rows: int, ffn: int, bias: bool = False) -> dict:
+    """``name -> (title, run, table options)``; ``run()`` returns ``{case: result row}``
+    (``bias``: the ``path`` experiment's calls take a bias)."""
     bf16 = torch.bfloat16
     weighted_unit = {"unit": "ms, host us per call, ratio", "digits": 3}
     return {
@@ -945,7 +955,9 @@ def _experiments(rows: int, ffn: int) -> dict:
         ),
         "path": (
             "raw kernels vs the autograd path",
-            lambda: {n: bench_path(s, w, rows, ffn, bf16) for n, (s, w) in PATH_CASES.items()},
+            lambda: {
+                n: bench_path(s, w, rows, ffn, bf16, bias) for n, (s, w) in PATH_CASES.items()
+            },
             {},
         ),
     }
@@ -958,6 +970,9 @@ def main(argv=None):
     parser.add_argument("--ffn", type=int, default=8192)
     names = [*_experiments(1, 1), "host", "all"]
     parser.add_argument("--experiment", choices=names, default="all")
+    parser.add_argument(
+        "--bias", action="store_true", help="path: every call with a bias of the input's width"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -965,7 +980,7 @@ def main(argv=None):
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     print(json.dumps(env))
     results = {"env": env}
-    for name, (title, run, table) in _experiments(args.rows, args.ffn).items():
+    for name, (title, run, table) in _experiments(args.rows, args.ffn, args.bias).items():
         if args.experiment in (name, "all"):
             results[name] = run()
             _print_table(title, results[name], **table)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.benchmark_kernel_ab import load_baseline, parse_candidate, parse_shape
+from tools.benchmark_kernel_ab import load_baseline, parse_candidate, parse_shape, parse_variant
 from tools.inspect_kernel_sass import parse_report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -82,3 +82,22 @@ def test_load_baseline_imports_the_kernels_of_a_commit(tmp_path):
     baseline = load_baseline("HEAD", str(tmp_path))
     assert baseline.__name__ == "baseline_triton_kernels"
     assert callable(baseline.triton_backward) and callable(baseline.triton_forward)
+
+
+def test_load_baseline_imports_a_copy_of_the_kernels_from_a_path(tmp_path):
+    # The GPU machine has a snapshot of the tree without git: baselines and variants come as
+    # files. A modified copy proves the module is the file's, not this tree's.
+    source = (ROOT / "mcore_activations/fusions/triton_kernels.py").read_text()
+    copy = tmp_path / "variant.py"
+    copy.write_text(source + "\nMARKER = 'the copy'\n")
+    module = load_baseline(str(copy), str(tmp_path), "variant_0_triton_kernels")
+    assert module.__name__ == "variant_0_triton_kernels" and module.MARKER == "the copy"
+    assert callable(module.triton_backward)
+
+
+def test_parse_variant():
+    assert parse_variant("prefetch=variants/a.py") == ("prefetch", "variants/a.py")
+    assert parse_variant(" old = HEAD~2 ") == ("old", "HEAD~2")
+    for bad in ("HEAD~2", "=HEAD", "old="):
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL=REV"):
+            parse_variant(bad)
