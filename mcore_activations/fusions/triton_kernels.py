@@ -718,6 +718,12 @@ def _probs_backward_plan(
     thread for the clamped SwiGLU at F = 8192 (1.08 against 1.10), which read 1.19 against 1.11
     at 1536.
     """
+    if rows < 1 or rows & (rows - 1):
+        # rows becomes BLOCK_M, a tl.arange length, which Triton requires to be a power of two.
+        raise ValueError(
+            f"_BWD_PROBS_ROWS={rows} is not a power of two; the weighted backward's rows per "
+            "program must be 1, 2, 4, ..."
+        )
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
     tile = rows * block_n

@@ -112,6 +112,18 @@ def test_triton_weighted_backward_with_several_rows_per_program(name, device, mo
         )
 
 
+@pytest.mark.parametrize("rows", [0, 3, 6])
+def test_weighted_backward_rows_per_program_must_be_a_power_of_two(rows, monkeypatch):
+    """``_BWD_PROBS_ROWS`` becomes the tile's BLOCK_M, which Triton requires to be a power of
+    two: any other value is refused with the constant's name before anything compiles."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_ROWS", rows)
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=False, has_probs=True)
+    with pytest.raises(ValueError, match=f"_BWD_PROBS_ROWS={rows} is not a power of two"):
+        triton_kernels._backward_plan(variant, 300, 2)
+
+
 @pytest.mark.parametrize("device", BOTH)
 def test_triton_weighted_backward_register_cap(device, monkeypatch):
     """A register cap (``_BWD_PROBS_MAX_REGISTERS``, off by default) reaches the launch as
