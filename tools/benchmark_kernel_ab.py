@@ -107,6 +107,29 @@ def parse_candidate(text: str) -> dict:
     return constants
 
 
+# Labels of a case's timing group that bench_case sets itself; a variant must not replace one.
+RESERVED_LABELS = ("floor", "plain", "baseline", "this tree", "this tree / baseline")
+
+
+def candidate_label(constants: dict) -> str:
+    """The label a ``--candidate`` set of constants is timed and printed under."""
+    return ", ".join(f"{k}={v}" for k, v in constants.items())
+
+
+def check_variant_labels(variants, candidates) -> str | None:
+    """An error message if a ``--variant`` label would overwrite another timing, else None."""
+    taken = set(RESERVED_LABELS) | {candidate_label(c) for c in candidates}
+    for label, _ in variants:
+        if label in taken:
+            return (
+                f"--variant label {label!r} is already a column of the table (reserved: "
+                f"{', '.join(RESERVED_LABELS)}, the candidates' labels, earlier variants); "
+                "pick another"
+            )
+        taken.add(label)
+    return None
+
+
 def parse_shape(text: str) -> tuple[int, int]:
     """``"65536x1536"`` -> ``(65536, 1536)`` (rows, output width)."""
     rows, sep, ffn = text.lower().partition("x")
@@ -158,8 +181,7 @@ def bench_case(
     group["baseline"] = call(baseline)
     group["this tree"] = call(tk)
     for constants in candidates:
-        label = ", ".join(f"{k}={v}" for k, v in constants.items())
-        group[label] = _with_constants(tk, constants, call(tk))
+        group[candidate_label(constants)] = _with_constants(tk, constants, call(tk))
     for label, module in variants:
         group[label] = call(module)
     with torch.no_grad():
@@ -203,6 +225,9 @@ def main(argv=None):
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
+    clash = check_variant_labels(args.variant, args.candidate)
+    if clash:
+        parser.error(clash)
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_kernel_ab needs a CUDA GPU")
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}

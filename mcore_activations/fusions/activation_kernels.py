@@ -71,7 +71,16 @@ class KernelVariant(NamedTuple):
         """The variant that runs ``spec`` with or without a bias / per-row probabilities."""
         if spec.kind == ActivationKind.CUSTOM:
             raise ValueError(f"{spec.name} has no fused kernel; only the eager path can run it.")
-        return _variant_of(spec, bool(has_bias), bool(has_probs))
+        return cls(
+            kind=spec.kind.value,
+            gated=spec.gated,
+            clamp=spec.clamp_value is not None,
+            gate_tanh=spec.gate_tanh_scale is not None,
+            linear_tanh=spec.linear_tanh_scale is not None,
+            has_bias=has_bias,
+            has_probs=has_probs,
+            interleave=spec.glu_interleave_size,
+        )
 
     @property
     def tag(self) -> str:
@@ -87,23 +96,6 @@ class KernelVariant(NamedTuple):
             f"il{self.interleave}" if self.interleave else "",
         ]
         return "_".join(f for f in flags if f)
-
-
-# Every call derives its variant from the spec; building the tuple costs about 2.5 us of host
-# time, a lookup about 1 (specs are frozen dataclasses, hashable). Bounded, because every clamp
-# value of a sweep is a spec of its own.
-@functools.lru_cache(maxsize=256)
-def _variant_of(spec: ActivationSpec, has_bias: bool, has_probs: bool) -> KernelVariant:
-    return KernelVariant(
-        kind=spec.kind.value,
-        gated=spec.gated,
-        clamp=spec.clamp_value is not None,
-        gate_tanh=spec.gate_tanh_scale is not None,
-        linear_tanh=spec.linear_tanh_scale is not None,
-        has_bias=has_bias,
-        has_probs=has_probs,
-        interleave=spec.glu_interleave_size,
-    )
 
 
 # ----------------------------------------------------------------------------- elementwise math

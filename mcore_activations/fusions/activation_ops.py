@@ -75,15 +75,6 @@ def kernel_backend(device: torch.device) -> str:
     return _DEFAULT_HOST_BACKEND
 
 
-def _backend_of(x: torch.Tensor) -> str:
-    # kernel_backend(x.device) without building a torch.device on every call.
-    if _override is not None:
-        return _override
-    if x.is_cuda and _HAVE_TRITON:
-        return "triton"
-    return _DEFAULT_HOST_BACKEND
-
-
 @contextlib.contextmanager
 def use_kernel_backend(name: Optional[str]):
     """Runs the activation kernels on backend ``name`` inside the block (``None``: the default).
@@ -174,12 +165,12 @@ def _variant(bias, probs, *structure):
 
 def _forward_impl(x, bias, probs, params, *structure):
     variant = _variant(bias, probs, *structure)
-    return _forward(_backend_of(x), variant, x, bias, probs, params)
+    return _forward(kernel_backend(x.device), variant, x, bias, probs, params)
 
 
 def _backward_impl(grad, x, bias, probs, params, *structure):
     variant = _variant(bias, probs, *structure)
-    dx, dbias, dprobs = _backward(_backend_of(x), variant, grad, x, bias, probs, params)
+    dx, dbias, dprobs = _backward(kernel_backend(x.device), variant, grad, x, bias, probs, params)
     # An op returns tensors only: an absent gradient travels as an empty tensor.
     return dx, _or_empty(dbias, x), _or_empty(dprobs, x)
 
@@ -221,23 +212,20 @@ def _plain_eager_call(*tensors) -> bool:
         return False
     if torch._C._are_functorch_transforms_active():
         return False
-    for t in tensors:  # a loop, not all() over a generator: half the host time
-        if t is not None and type(t) is not torch.Tensor:
-            return False
-    return True
+    return all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
 def run_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Tensor:
     """The forward op on a 2-D ``x`` (``probs`` ``[rows, 1]`` or None)."""
     if _plain_eager_call(x, bias, probs, params):
-        return _forward(_backend_of(x), variant, x, bias, probs, params)
+        return _forward(kernel_backend(x.device), variant, x, bias, probs, params)
     return activation_forward_op(x, bias, probs, params, *structure_args(variant))
 
 
 def run_backward(variant: KernelVariant, grad, x, bias, probs, params):
     """The backward op: ``(dx, dbias or None, dprobs or None)``."""
     if _plain_eager_call(grad, x, bias, probs, params):
-        return _backward(_backend_of(x), variant, grad, x, bias, probs, params)
+        return _backward(kernel_backend(x.device), variant, grad, x, bias, probs, params)
     dx, dbias, dprobs = activation_backward_op(
         grad, x, bias, probs, params, *structure_args(variant)
     )

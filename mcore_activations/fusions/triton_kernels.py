@@ -350,22 +350,20 @@ def _bwd_loads(
     probs_ptr,
     row,
     row_ok,
-    cols,
-    col_ok,
-    gcol,
-    lcol,
+    columns,
     F,
-    W,
     GATED: tl.constexpr,
     HAS_PROBS: tl.constexpr,
 ):
     """The backward's streamed inputs for rows ``row``, in their own dtypes: the output gradient,
     the gate (or only) half, the linear half (the gate half again when not gated) and the
-    probabilities (``row_ok`` when there are none, a placeholder)."""
+    probabilities (``row_ok`` when there are none, a placeholder). ``columns``: the program's
+    output columns, their mask and the gate and linear input columns they read."""
+    cols, col_ok, gcol, lcol = columns
     mask = row_ok[:, None] & col_ok[None, :]
     row64 = row.to(tl.int64)[:, None]
     g = tl.load(grad_ptr + row64 * F + cols[None, :], mask=mask, other=0.0)
-    x_row = x_ptr + row64 * W
+    x_row = x_ptr + row64 * (2 * F if GATED else F)
     gate = tl.load(x_row + gcol[None, :], mask=mask, other=0.0)
     if GATED:
         lin = tl.load(x_row + lcol[None, :], mask=mask, other=0.0)
@@ -434,23 +432,12 @@ def _activation_bwd_kernel(
     # SwiGLU(clamp=7) 1.27 -> 1.24 at 65536 x 1536, weighted 1.56 -> 1.38 at 65536 x 1536 and
     # 1.63 -> 1.35 at 16384 x 8192, fp32 weighted 1.49 -> 1.09.
     row_base = pid_m * rows_per_program
+    columns = (cols, col_ok, gcol, lcol)
     if HAS_BIAS:
         row_end = tl.minimum(rows, row_base + rows_per_program)
         row = row_base + tl.arange(0, BLOCK_M)
-        g_next, gate_next, lin_next, p_next = _bwd_loads(
-            grad_ptr,
-            x_ptr,
-            probs_ptr,
-            row,
-            row < row_end,
-            cols,
-            col_ok,
-            gcol,
-            lcol,
-            F,
-            W,
-            GATED,
-            HAS_PROBS,
+        ahead = _bwd_loads(
+            grad_ptr, x_ptr, probs_ptr, row, row < row_end, columns, F, GATED, HAS_PROBS
         )
     for m in range(0, rows_per_program, BLOCK_M):
         row = row_base + m + tl.arange(0, BLOCK_M)
@@ -458,39 +445,19 @@ def _activation_bwd_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
         row64 = row.to(tl.int64)[:, None]
         if HAS_BIAS:
-            g_raw, gate_raw, lin_raw, p_raw = g_next, gate_next, lin_next, p_next
-            row_after = row + BLOCK_M
-            g_next, gate_next, lin_next, p_next = _bwd_loads(
-                grad_ptr,
-                x_ptr,
-                probs_ptr,
-                row_after,
-                row_after < row_end,
-                cols,
-                col_ok,
-                gcol,
-                lcol,
-                F,
-                W,
-                GATED,
-                HAS_PROBS,
-            )
+            g_raw, gate_raw, lin_raw, p_raw = ahead  # loaded on the previous trip
+            load_row = row + BLOCK_M
+            load_ok = load_row < row_end
         else:
-            g_raw, gate_raw, lin_raw, p_raw = _bwd_loads(
-                grad_ptr,
-                x_ptr,
-                probs_ptr,
-                row,
-                row_ok,
-                cols,
-                col_ok,
-                gcol,
-                lcol,
-                F,
-                W,
-                GATED,
-                HAS_PROBS,
-            )
+            load_row = row
+            load_ok = row_ok
+        loaded = _bwd_loads(
+            grad_ptr, x_ptr, probs_ptr, load_row, load_ok, columns, F, GATED, HAS_PROBS
+        )
+        if HAS_BIAS:
+            ahead = loaded
+        else:
+            g_raw, gate_raw, lin_raw, p_raw = loaded
         g = g_raw.to(tl.float32)
         if HAS_PROBS:
             p = p_raw.to(tl.float32)[:, None]

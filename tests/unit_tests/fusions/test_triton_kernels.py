@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 
-from mcore_activations.activation_spec import ActivationKind, ActivationSpec
 from mcore_activations.fusions import activation_ops
 from mcore_activations.fusions.activation_kernels import KernelVariant, backward_math, forward_math
 from mcore_activations.fusions.activation_ops import kernel_backend, use_kernel_backend
@@ -266,29 +265,6 @@ def test_backend_choice():
     with pytest.raises(ValueError, match="'cutlass' is not an activation kernel backend"):
         with use_kernel_backend("cutlass"):
             pass
-
-
-def test_per_call_backend_matches_kernel_backend():
-    """The path's per-call choice (``_backend_of``, from the tensor) is ``kernel_backend`` of its
-    device, with and without an override."""
-    x = torch.empty(2, 4)
-    assert activation_ops._backend_of(x) == kernel_backend(x.device)
-    for name in ("eager", "inductor"):
-        with use_kernel_backend(name):
-            assert activation_ops._backend_of(x) == kernel_backend(x.device) == name
-
-
-def test_kernel_variant_is_cached_per_spec_and_flags():
-    """``KernelVariant.of`` returns one shared tuple per (spec, bias, probs), equal to a fresh
-    one, and still refuses a custom activation."""
-    spec = SPECS["swiglu_clamp"]
-    first = KernelVariant.of(spec, has_bias=True, has_probs=False)
-    assert KernelVariant.of(spec, has_bias=True, has_probs=False) is first
-    assert (first.clamp, first.has_bias, first.has_probs) == (True, True, False)
-    assert KernelVariant.of(spec, has_bias=False, has_probs=False) != first
-    custom = ActivationSpec(ActivationKind.CUSTOM, custom_func=torch.tanh)
-    with pytest.raises(ValueError, match="has no fused kernel"):
-        KernelVariant.of(custom, has_bias=False, has_probs=False)
 
 
 def test_triton_backend_refuses_cpu_tensors_without_the_interpreter(monkeypatch):

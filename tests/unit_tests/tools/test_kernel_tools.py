@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.benchmark_kernel_ab import load_baseline, parse_candidate, parse_shape, parse_variant
+from tools.benchmark_kernel_ab import (
+    check_variant_labels,
+    load_baseline,
+    parse_candidate,
+    parse_shape,
+    parse_variant,
+)
 from tools.inspect_kernel_sass import parse_report
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -101,3 +107,13 @@ def test_parse_variant():
     for bad in ("HEAD~2", "=HEAD", "old="):
         with pytest.raises(argparse.ArgumentTypeError, match="LABEL=REV"):
             parse_variant(bad)
+
+
+def test_variant_labels_never_replace_another_column():
+    # A variant labelled like the floor (or any other column) would silently replace its
+    # timing, and every ratio of the row with it.
+    candidates = [{"_BIAS_PROGRAMS": 2048}]
+    assert check_variant_labels([("prefetch", "a.py"), ("old", "HEAD~1")], candidates) is None
+    for label in ("floor", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
+        assert "already a column" in check_variant_labels([(label, "a.py")], candidates)
+    assert "'a'" in check_variant_labels([("a", "x.py"), ("a", "y.py")], [])
