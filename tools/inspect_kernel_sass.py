@@ -1,7 +1,7 @@
 """What the compiler made of the activation kernels, without a GPU.
 
 Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--rows 16384] [--dtype bfloat16]
-[--arch 90] [--bias] [--cases NAME ...]``
+[--arch 90] [--bias] [--cases NAME ...] [--compare REV]``
 
 Compiles the Triton kernels of each activation for an NVIDIA architecture on any machine (Triton
 ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
@@ -11,6 +11,10 @@ program. A span of a few dozen means every streamed input is in flight at once; 
 hundreds means ptxas deferred a load until an earlier one was consumed, so each program waits
 for memory twice. Registers bound how many warps an SM holds (65536 registers; 64 per thread
 leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides latency.
+
+``--compare REV`` (a git revision or a copy of ``triton_kernels.py``) prints, per kernel,
+whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to the same
+machine code keeps every timing and GPU test result taken on ``REV``.
 
 This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
 (docs/performance.md, session 8): 64 registers and a load span of 63 instructions, against 48
@@ -44,15 +48,16 @@ _DATA_POINTERS = {"x_ptr", "grad_ptr", "bias_ptr", "out_ptr", "dx_ptr"}
 _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
-def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool):
+def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool, kernels=tk):
     """The kernel and launch plan ``triton_forward`` / ``triton_backward`` pick for variant ``v``
-    at width ``F`` (the flat kernels for non-gated calls without a reduction)."""
-    if tk.uses_flat_kernel(v, backward):
-        kernel = tk._unary_bwd_flat_kernel if backward else tk._unary_fwd_flat_kernel
-        return kernel, tk._flat_shape(v, kernel, rows * F, itemsize)
+    at width ``F`` (the flat kernels for non-gated calls without a reduction); ``kernels`` is the
+    ``triton_kernels`` module to take them from."""
+    if kernels.uses_flat_kernel(v, backward):
+        kernel = kernels._unary_bwd_flat_kernel if backward else kernels._unary_fwd_flat_kernel
+        return kernel, kernels._flat_shape(v, kernel, rows * F, itemsize)
     if backward:
-        return tk._activation_bwd_kernel, tk._backward_plan(v, F, itemsize)
-    return tk._activation_fwd_kernel, tk._forward_plan(v, F, itemsize)
+        return kernels._activation_bwd_kernel, kernels._backward_plan(v, F, itemsize)
+    return kernels._activation_fwd_kernel, kernels._forward_plan(v, F, itemsize)
 
 
 def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: dict, arch: int):
@@ -100,15 +105,22 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], capture_output=True, text=True, check=True).stdout
 
 
-def sass_report(compiled) -> dict:
-    """``{"registers", "local_bytes", "shared_bytes", "load_span"}`` of a compiled kernel
-    (local memory is where spilled registers go)."""
+def _usage_and_sass(compiled) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         Path(cubin).write_bytes(compiled.asm["cubin"])
-        usage = _cuobjdump("-res-usage", cubin)
-        sass = _cuobjdump("-sass", cubin)
-    return parse_report(usage, sass)
+        return _cuobjdump("-res-usage", cubin), _cuobjdump("-sass", cubin)
+
+
+def sass_report(compiled) -> dict:
+    """``{"registers", "local_bytes", "shared_bytes", "load_span"}`` of a compiled kernel
+    (local memory is where spilled registers go)."""
+    return parse_report(*_usage_and_sass(compiled))
+
+
+def sass_text(compiled) -> str:
+    """The SASS listing of a compiled kernel (what ``--compare`` compares)."""
+    return _usage_and_sass(compiled)[1]
 
 
 def parse_report(usage: str, sass: str) -> dict:
@@ -144,36 +156,66 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 100")
     parser.add_argument("--bias", action="store_true")
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="names from CASES")
+    parser.add_argument(
+        "--compare",
+        metavar="REV",
+        help="report whether each kernel's SASS is identical to that of REV (a git revision or a "
+        "copy of triton_kernels.py) instead of registers and load spans",
+    )
     args = parser.parse_args(argv)
     names = args.cases
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
     dtype = getattr(torch, args.dtype)
-    print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
-    print("registers / local (spill) bytes / load span (SASS instructions), per kernel")
-    print("| activation | forward | backward | forward, probs | backward, probs |")
-    print("|---|---|---|---|---|")
-    for name in names:
-        spec = CASES[name]
-        cells = []
-        for has_probs in (False, True):
-            for backward in (False, True):
-                v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
-                kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward)
-                # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
-                ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
-                if plan[1] is not None:  # a tiled kernel
-                    col_blocks = -(-args.ffn // plan[1])
-                    ints["rows_per_program"] = tk._row_programs(v, args.rows, plan[0], col_blocks)[
-                        0
-                    ]
-                compiled = compile_kernel(
-                    kernel, plan, dtype, args.bias, has_probs, ints, args.arch
+    with tempfile.TemporaryDirectory() as tmp:
+        other = None
+        if args.compare:
+            from tools.benchmark_kernel_ab import load_baseline
+
+            other = load_baseline(args.compare, tmp, "compared_triton_kernels")
+            missing = [n for n in ("uses_flat_kernel", "_row_programs") if not hasattr(other, n)]
+            if missing:
+                parser.error(
+                    f"--compare: {args.compare}'s triton_kernels has no {', '.join(missing)} "
+                    "(added in session 8, 2026-12-01); compare against a later revision"
                 )
-                r = sass_report(compiled)
-                cells.append(f"{r['registers']} / {r['local_bytes']} / {r['load_span']}")
-        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
+        if other is None:
+            print("registers / local (spill) bytes / load span (SASS instructions), per kernel")
+        else:
+            print(f"SASS of this tree against {args.compare}, per kernel")
+        print("| activation | forward | backward | forward, probs | backward, probs |")
+        print("|---|---|---|---|---|")
+        for name in names:
+            cells = [
+                _cell(CASES[name], args, dtype, has_probs, backward, other)
+                for has_probs in (False, True)
+                for backward in (False, True)
+            ]
+            print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
+    kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward, kernels)
+    # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
+    ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
+    if plan[1] is not None:  # a tiled kernel
+        col_blocks = -(-args.ffn // plan[1])
+        ints["rows_per_program"] = kernels._row_programs(v, args.rows, plan[0], col_blocks)[0]
+    return compile_kernel(kernel, plan, dtype, args.bias, has_probs, ints, args.arch)
+
+
+def _cell(spec, args, dtype, has_probs: bool, backward: bool, other) -> str:
+    """One table cell: the report of this tree's kernel, or with ``other`` (a ``triton_kernels``
+    module) whether both compile to the same SASS."""
+    v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
+    mine = _compiled(tk, v, args, dtype, has_probs, backward)
+    if other is None:
+        r = sass_report(mine)
+        return f"{r['registers']} / {r['local_bytes']} / {r['load_span']}"
+    theirs = _compiled(other, v, args, dtype, has_probs, backward)
+    return "same" if sass_text(mine) == sass_text(theirs) else "differs"
 
 
 if __name__ == "__main__":

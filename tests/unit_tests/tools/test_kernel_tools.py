@@ -117,3 +117,21 @@ def test_variant_labels_never_replace_another_column():
     for label in ("floor", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
         assert "already a column" in check_variant_labels([(label, "a.py")], candidates)
     assert "'a'" in check_variant_labels([("a", "x.py"), ("a", "y.py")], [])
+
+
+def test_inspect_kernel_sass_compares_sass_with_another_copy(tmp_path):
+    """``--compare`` compiles this tree's kernels and another copy's: a copy whose weighted
+    backward runs on twice the warps differs there and only there."""
+    source = (ROOT / "mcore_activations/fusions/triton_kernels.py").read_text()
+    assert "_BWD_PROBS_COLUMNS_PER_WARP = 256\n" in source
+    copy = tmp_path / "triton_kernels.py"
+    copy.write_text(
+        source.replace("_BWD_PROBS_COLUMNS_PER_WARP = 256\n", "_BWD_PROBS_COLUMNS_PER_WARP = 128\n")
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "tools/inspect_kernel_sass.py", "--ffn", "1536", "--bias"]
+    command += ["--cases", "SwiGLU(clamp=7)", "--compare", str(copy)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    row = [line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)")]
+    assert row == ["| SwiGLU(clamp=7) | same | same | same | differs |"], result.stdout
