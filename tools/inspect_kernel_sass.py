@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
 from tools.benchmark_kernel_ab import CASES as AB_CASES  # noqa: E402
+from tools.benchmark_kernel_ab import load_baseline  # noqa: E402
 
 # The activations of the A/B benchmark, once each (its float32 entries repeat a bf16 one; the
 # dtype here is --dtype).
@@ -171,8 +172,6 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         other = None
         if args.compare:
-            from tools.benchmark_kernel_ab import load_baseline
-
             other = load_baseline(args.compare, tmp, "compared_triton_kernels")
             missing = [n for n in ("uses_flat_kernel", "_row_programs") if not hasattr(other, n)]
             if missing:
