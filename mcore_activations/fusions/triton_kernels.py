@@ -59,7 +59,19 @@ _GELU_TANH_COEF = tl.constexpr(GELU_TANH_COEF)
 
 # ----------------------------------------------------------------------------- elementwise math
 # rcp.approx is PTX: the interpreter and ROCm always take the portable division.
-_HAS_PTX_RCP = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
+_HAS_PTX = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
+# Every exponential is ``tl.exp2`` of an argument already scaled by log2(e), never ``tl.exp``.
+# On NVIDIA GPUs (Triton 3.6 and 3.7) ``tl.exp2`` is one ``ex2.approx.ftz`` instruction, while
+# ``tl.exp`` wraps the same instruction in a guard that rescales arguments below -126 so that
+# subnormal results survive: three more instructions per exponential, in kernels that SiTU-GLU's
+# three exponentials per element make bound by instruction issue rather than memory on an H200
+# (docs/performance.md, session 10). log2(e) folds into a constant each call site multiplies by
+# anyway. Results at or above 2**-126 are the same; smaller ones flush to 0. In the sigmoid and
+# tanh an exponential only enters as ``1 + e`` or ``1 - e``, which a subnormal ``e`` leaves
+# unchanged. GELU's density and GELU-tanh's ``sigmoid(-|2z|)`` are used as products; there a
+# result changes only where it is itself below about 1e-35 (the largest factor on an underflowed
+# exponential is GELU-tanh's derivative near x = -10, about 250).
+_LOG2_E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
@@ -87,7 +99,7 @@ def _div(a, b, FAST_DIV: tl.constexpr):
 @triton.jit
 def _sigmoid(x, FAST_DIV: tl.constexpr):
     # 1 / (1 + exp(-x)); exp(-x) overflows to inf for x < -88, giving 0, and NaN stays NaN.
-    return _div(1.0, 1.0 + tl.exp(-x), FAST_DIV)
+    return _div(1.0, 1.0 + tl.exp2(x * -_LOG2_E), FAST_DIV)
 
 
 @triton.jit
@@ -96,7 +108,7 @@ def _tanh(x, FAST_DIV: tl.constexpr):
     # tanh has no interpreter implementation). (1 - e) / (1 + e) with e = exp(-2|x|) cancels for
     # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
     ax = tl.abs(x)
-    e = tl.exp(-2.0 * ax)
+    e = tl.exp2(ax * (-2.0 * _LOG2_E))
     t = _div(1.0 - e, 1.0 + e, FAST_DIV)
     x2 = x * x
     small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
@@ -117,7 +129,7 @@ def _base_and_grad(x, KIND: tl.constexpr, FAST_DIV: tl.constexpr):
         d = s * (1.0 + x * _QUICK_GELU_ALPHA * (1.0 - s))
     elif KIND == "gelu":
         cdf = 0.5 * (1.0 + tl.erf(x * _INV_SQRT_2))
-        pdf = tl.exp(-0.5 * x * x) * _INV_SQRT_2PI
+        pdf = tl.exp2(x * x * (-0.5 * _LOG2_E)) * _INV_SQRT_2PI
         y = x * cdf
         d = cdf + x * pdf
     elif KIND == "gelu_tanh":
@@ -125,7 +137,7 @@ def _base_and_grad(x, KIND: tl.constexpr, FAST_DIV: tl.constexpr):
         # where 1 + tanh(z) cancels (x << 0). sigmoid of -|2z| and its complement come from the
         # same exp(-|2z|), which never overflows, so 1 - s is accurate for x >> 0 as well.
         z2 = (x + x * x * x * _GELU_TANH_COEF) * (2.0 * _SQRT_2_OVER_PI)
-        e = tl.exp(-tl.abs(z2))
+        e = tl.exp2(tl.abs(z2) * -_LOG2_E)
         hi = _div(1.0, 1.0 + e, FAST_DIV)  # sigmoid(|2z|)
         lo = e * hi  # sigmoid(-|2z|) == 1 - sigmoid(|2z|)
         s = tl.where(z2 < 0.0, lo, hi)  # NaN selects hi, which is NaN
@@ -588,7 +600,7 @@ def _block_n(F: int, max_block_n: int) -> int:
 
 def _fast_div(itemsize: int) -> bool:
     # The hardware reciprocal for 16-bit inputs only (_div says why), where PTX exists.
-    return _HAS_PTX_RCP and itemsize <= 2
+    return _HAS_PTX and itemsize <= 2
 
 
 @functools.cache
