@@ -5,12 +5,16 @@ Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--rows 16384] [--dtyp
 
 Compiles the Triton kernels of each activation for an NVIDIA architecture on any machine (Triton
 ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
-``--ffn``, and prints per kernel: registers per thread, spilled bytes, shared memory, and the
-*load span*, the number of SASS instructions between the first and the last 128-bit load of a
-program. A span of a few dozen means every streamed input is in flight at once; a span of
-hundreds means ptxas deferred a load until an earlier one was consumed, so each program waits
-for memory twice. Registers bound how many warps an SM holds (65536 registers; 64 per thread
-leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides latency.
+``--ffn``, and prints per kernel: registers per thread, spilled bytes, the *load span* (the
+number of SASS instructions between the first and the last 128-bit load of a program) and the
+*instructions per element* (the kernel's SASS instructions, and in parentheses its
+special-function ``MUFU`` ones - exponentials, reciprocals - over the output elements one thread
+computes per trip). A span of a few dozen means every streamed input is in flight at once; a
+span of hundreds means ptxas deferred a load until an earlier one was consumed, so each program
+waits for memory twice. Registers bound how many warps an SM holds (65536 registers; 64 per
+thread leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides
+latency. An SM issues one instruction per clock per scheduler, so a kernel with many
+instructions per element can be bound by issue rather than by memory.
 
 ``--compare REV`` (a git revision or a copy of ``triton_kernels.py``) prints, per kernel,
 whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to the same
@@ -18,8 +22,10 @@ machine code keeps every timing and GPU test result taken on ``REV``.
 
 This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
 (docs/performance.md, session 8): 64 registers and a load span of 63 instructions, against 48
-registers and 19 for the unweighted kernel. It is a diagnostic, not a benchmark: the times come
-from the H200 runs.
+registers and 19 for the unweighted kernel. The instruction count found the cost of
+``tl.exp``'s subnormal guard (session 10): SiTU-GLU(4,25)'s bf16 forward issued 61 instructions
+per element, 49 with ``tl.exp2``. It is a diagnostic, not a benchmark: the times come from the
+H200 runs.
 """
 
 from __future__ import annotations
@@ -114,8 +120,8 @@ def _usage_and_sass(compiled) -> tuple[str, str]:
 
 
 def sass_report(compiled) -> dict:
-    """``{"registers", "local_bytes", "shared_bytes", "load_span"}`` of a compiled kernel
-    (local memory is where spilled registers go)."""
+    """``{"registers", "local_bytes", "shared_bytes", "load_span", "instructions", "mufu"}`` of a
+    compiled kernel (local memory is where spilled registers go)."""
     return parse_report(*_usage_and_sass(compiled))
 
 
@@ -136,11 +142,14 @@ def parse_report(usage: str, sass: str) -> dict:
         int(m.group(1), 16) // 16
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?LDG\.E\.128\b", sass)
     ]
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
     return {
         "registers": field("REG"),
         "local_bytes": field("LOCAL"),
         "shared_bytes": field("SHARED"),
         "load_span": offsets[-1] - offsets[0] if offsets else None,
+        "instructions": len(opcodes),
+        "mufu": opcodes.count("MUFU"),
     }
 
 
@@ -181,7 +190,10 @@ def main(argv=None):
                 )
         print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
         if other is None:
-            print("registers / local (spill) bytes / load span (SASS instructions), per kernel")
+            print(
+                "registers / local (spill) bytes / load span (SASS instructions) / SASS "
+                "instructions (MUFU) per element of a thread, per kernel"
+            )
         else:
             print(f"SASS of this tree against {args.compare}, per kernel")
         print("| activation | forward | backward | forward, probs | backward, probs |")
@@ -195,6 +207,13 @@ def main(argv=None):
             print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
+def elements_per_thread(plan) -> int:
+    """Output elements one thread computes per trip of a launch ``plan``: the tile (or flat
+    block) over the program's threads."""
+    tile = plan[0] * (plan[1] if plan[1] is not None else 1)
+    return max(1, tile // (32 * plan[2]["num_warps"]))
+
+
 def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward, kernels)
     # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
@@ -202,18 +221,20 @@ def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     if plan[1] is not None:  # a tiled kernel
         col_blocks = -(-args.ffn // plan[1])
         ints["rows_per_program"] = kernels._row_programs(v, args.rows, plan[0], col_blocks)[0]
-    return compile_kernel(kernel, plan, dtype, args.bias, has_probs, ints, args.arch)
+    return compile_kernel(kernel, plan, dtype, args.bias, has_probs, ints, args.arch), plan
 
 
 def _cell(spec, args, dtype, has_probs: bool, backward: bool, other) -> str:
     """One table cell: the report of this tree's kernel, or with ``other`` (a ``triton_kernels``
     module) whether both compile to the same SASS."""
     v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
-    mine = _compiled(tk, v, args, dtype, has_probs, backward)
+    mine, plan = _compiled(tk, v, args, dtype, has_probs, backward)
     if other is None:
         r = sass_report(mine)
-        return f"{r['registers']} / {r['local_bytes']} / {r['load_span']}"
-    theirs = _compiled(other, v, args, dtype, has_probs, backward)
+        n = elements_per_thread(plan)
+        per_element = f"{r['instructions'] / n:.1f} ({r['mufu'] / n:.1f})"
+        return f"{r['registers']} / {r['local_bytes']} / {r['load_span']} / {per_element}"
+    theirs, _ = _compiled(other, v, args, dtype, has_probs, backward)
     return "same" if sass_text(mine) == sass_text(theirs) else "differs"
 
 

@@ -11,7 +11,9 @@ stale-constant class of bug (docs/compile-safety.md) and CUDA-graph capturable.
 Numerics follow the torch reference in ``activation_kernels``: the same formulas, loads upcast
 to float32, all math in float32, stores cast to the output dtype. One is rearranged: GELU's
 ``0.5 * (1 + tanh(z))`` is evaluated as ``sigmoid(2z)``, which costs one exponential and one
-division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Every division (the
+division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Exponentials are
+``tl.exp2`` of a log2(e)-scaled argument, which on NVIDIA GPUs flushes results below 2**-126
+to 0 (``_LOG2_E`` says where that can show: nowhere above 1e-35). Every division (the
 sigmoid's, tanh's) has a divisor ``>= 1``; for 16-bit inputs on CUDA it runs as a hardware
 reciprocal and a multiply (within 1.5 ulp), otherwise as div.full.f32 (within 2 ulp; ``_div``
 says why). Clamps are ``where``

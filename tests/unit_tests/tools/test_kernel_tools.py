@@ -16,7 +16,7 @@ from tools.benchmark_kernel_ab import (
     parse_shape,
     parse_variant,
 )
-from tools.inspect_kernel_sass import parse_report
+from tools.inspect_kernel_sass import elements_per_thread, parse_report
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -29,6 +29,7 @@ SASS = """
         /*0670*/               @P1 LDG.E.128 R4, desc[UR18][R22.64] ;
         /*06c0*/               @P1 LDG.E.128 R8, desc[UR18][R2.64] ;
         /*0a60*/              @!P1 LDG.E.128 R4, desc[UR18][R2.64] ;
+        /*1b00*/                   MUFU.EX2 R12, R6 ;
         /*1b40*/               @P1 STG.E.128 desc[UR18][R2.64], R4 ;
 """
 
@@ -36,8 +37,21 @@ SASS = """
 def test_parse_report_reads_registers_and_the_load_span():
     report = parse_report(USAGE, SASS)
     # 128-bit loads at byte offsets 0x670 and 0xa60: 63 instructions of 16 bytes apart.
-    assert report == {"registers": 56, "local_bytes": 8, "shared_bytes": 16, "load_span": 63}
+    assert report == {
+        "registers": 56,
+        "local_bytes": 8,
+        "shared_bytes": 16,
+        "load_span": 63,
+        "instructions": 6,
+        "mufu": 1,
+    }
     assert parse_report(USAGE, "")["load_span"] is None
+
+
+def test_elements_per_thread_of_tiled_and_flat_plans():
+    # A 1 x 1024 tile over 4 warps, and a flat block of 2048 over 4 warps.
+    assert elements_per_thread((1, 1024, {"num_warps": 4}, ())) == 8
+    assert elements_per_thread((2048, None, {"num_warps": 4}, ())) == 16
 
 
 def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
@@ -64,8 +78,11 @@ def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
     cells = [c.strip() for c in row.strip("|").split("|")[1:]]
     assert len(cells) == 4  # forward, backward, each with and without probabilities
     for cell in cells:
-        registers, local, span = (part.strip() for part in cell.split("/"))
+        registers, local, span, per_element = (part.strip() for part in cell.split("/"))
         assert 16 <= int(registers) <= 255 and int(local) >= 0 and span != "None"
+        instructions, mufu = per_element.rstrip(")").split(" (")
+        # SwiGLU's sigmoid: one exponential and one reciprocal per element, a few dozen in all.
+        assert 10 < float(instructions) < 200 and 1.5 < float(mufu) < 4
 
 
 def test_parse_candidate_and_shape():
