@@ -7,14 +7,14 @@ Compiles the Triton kernels of each activation for an NVIDIA architecture on any
 ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
 ``--ffn``, and prints per kernel: registers per thread, spilled bytes, the *load span* (the
 number of SASS instructions between the first and the last 128-bit load of a program) and the
-*instructions per element* (the kernel's SASS instructions, and in parentheses its
-special-function ``MUFU`` ones - exponentials, reciprocals - over the output elements one thread
-computes per trip). A span of a few dozen means every streamed input is in flight at once; a
-span of hundreds means ptxas deferred a load until an earlier one was consumed, so each program
-waits for memory twice. Registers bound how many warps an SM holds (65536 registers; 64 per
-thread leaves 32 warps of 4-warp programs, 56 leaves 36), and so how much memory traffic hides
-latency. An SM issues one instruction per clock per scheduler, so a kernel with many
-instructions per element can be bound by issue rather than by memory.
+*instructions per element* (the kernel's static SASS instruction count, prologue and padding
+included, and in parentheses its special-function ``MUFU`` ones - exponentials, reciprocals -
+over the output elements one thread computes per trip). A span of a few dozen means every
+streamed input is in flight at once; a span of hundreds means ptxas deferred a load until an
+earlier one was consumed, so each program waits for memory twice. Registers bound how many
+warps an SM holds (65536 registers; 64 per thread leaves 32 warps of 4-warp programs, 56 leaves
+36), and so how much memory traffic hides latency. An SM issues one instruction per clock per
+scheduler, so a kernel with many instructions per element can be bound by issue, not memory.
 
 ``--compare REV`` (a git revision or a copy of ``triton_kernels.py``) prints, per kernel,
 whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to the same

@@ -64,15 +64,16 @@ _GELU_TANH_COEF = tl.constexpr(GELU_TANH_COEF)
 _HAS_PTX = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
 # Every exponential is ``tl.exp2`` of an argument already scaled by log2(e), never ``tl.exp``.
 # On NVIDIA GPUs (Triton 3.6 and 3.7) ``tl.exp2`` is one ``ex2.approx.ftz`` instruction, while
-# ``tl.exp`` wraps the same instruction in a guard that rescales arguments below -126 so that
-# subnormal results survive: three more instructions per exponential, in kernels that SiTU-GLU's
-# three exponentials per element make bound by instruction issue rather than memory on an H200
-# (docs/performance.md, session 10). log2(e) folds into a constant each call site multiplies by
-# anyway. Results at or above 2**-126 are the same; smaller ones flush to 0. In the sigmoid and
-# tanh an exponential only enters as ``1 + e`` or ``1 - e``, which a subnormal ``e`` leaves
-# unchanged. GELU's density and GELU-tanh's ``sigmoid(-|2z|)`` are used as products; there a
+# ``tl.exp`` adds a multiply by log2(e) and a guard that rescales arguments below -126 so that
+# subnormal results survive (a compare and two predicated multiplies): 3-4 instructions per
+# exponential, in kernels that SiTU-GLU's three per element make bound by instruction issue
+# (docs/performance.md, session 10). The call sites fold log2(e) into a constant they multiply
+# by anyway; scaling it by -1, -2 or -0.5 is exact, so every argument is the one ``tl.exp`` saw.
+# Results at or above 2**-126 are therefore the same, smaller ones flush to 0. In the sigmoid and
+# the tanh an exponential only enters as ``1 + e`` or ``1 - e``, which a subnormal ``e`` leaves
+# unchanged. GELU's density and GELU-tanh's ``sigmoid(-|2z|)`` are used in products; there a
 # result changes only where it is itself below about 1e-35 (the largest factor on an underflowed
-# exponential is GELU-tanh's derivative near x = -10, about 250).
+# exponential is GELU-tanh's derivative near x = -10, about 230).
 _LOG2_E = tl.constexpr(math.log2(math.e))
 
 
