@@ -570,6 +570,11 @@ _FLAT_UNARY = True
 # 8192; weighted and non-gated calls lost up to 0.11 with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
+# Least row blocks per bias program. With few rows every program takes one row block and writes a
+# partial sum of its columns: at 4096 x 2048 the GLU's partials are as large as its input. 8 read
+# 0.02-0.14 of the floor faster there and within 0.03 at the large shapes (H200, session 10, run
+# 39), but the GPU tier has not run with it yet, so it stays 1 until a run confirms it.
+_BIAS_MIN_ROW_BLOCKS = 1
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -866,7 +871,7 @@ def _row_programs(v, rows: int, block_m: int, col_blocks: int) -> tuple[int, int
     if not v.has_bias:
         return block_m, row_blocks
     programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
-    row_programs = min(row_blocks, max(1, programs // col_blocks))
+    row_programs = min(_cdiv(row_blocks, _BIAS_MIN_ROW_BLOCKS), max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
     return rows_per_program, _cdiv(rows, rows_per_program)
 

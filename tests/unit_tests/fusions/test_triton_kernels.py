@@ -91,6 +91,28 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 
 
 @pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
+@pytest.mark.parametrize("name", ["swiglu_clamp", "squared_relu_tanh"])
+def test_triton_bias_programs_take_at_least_the_least_row_blocks(
+    name, has_probs, device, monkeypatch
+):
+    """``_BIAS_MIN_ROW_BLOCKS``: with few rows each bias program still walks that many row blocks
+    (fewer partial sums), and the programs together cover every row exactly once."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_MIN_ROW_BLOCKS", 3)
+    v = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
+    block_m = 2
+    rows_per_program, programs = triton_kernels._row_programs(v, 19, block_m, 1)
+    assert rows_per_program == 3 * block_m and programs == 4  # 10 row blocks in ranges of 3
+    assert (programs - 1) * rows_per_program < 19 <= programs * rows_per_program
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS[name], torch.float32, True, has_probs, device=device, rows=19, ffn=300
+        )
+
+
+@pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("name", ["swiglu_clamp", "squared_relu_tanh"])
 def test_triton_weighted_backward_with_several_rows_per_program(name, device, monkeypatch):
     """The weighted backward's plan with several rows of a column block per program (one warp
