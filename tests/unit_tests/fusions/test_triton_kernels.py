@@ -240,6 +240,20 @@ def _whole_range(n_each=60):
     return torch.cat([-mags, torch.zeros(1, dtype=torch.float64), mags]).float()
 
 
+def _kernel_and_float64(spec, x, device, reference=None):
+    """``(output, dx)`` of the Triton path on float32 ``x`` (a gradient of ones) and the same of
+    ``reference`` (default: the spec's) in float64, all as float64 on the CPU."""
+    grad = torch.ones(x.shape[0], 1)
+    xs = x.clone().to(device).requires_grad_()
+    with use_kernel_backend("triton"):
+        out = fused_activation(xs, spec)
+        out.backward(grad.to(device))
+    xr = x.double().requires_grad_()
+    ref = (reference or spec.reference)(xr)
+    ref.backward(grad.double())
+    return out.detach().cpu().double(), xs.grad.cpu().double(), ref.detach(), xr.grad
+
+
 @pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("name", ["geglu", "fast_gelu", "situ_glu", "situ_glu_gate_only"])
 def test_kernels_are_accurate_over_the_whole_range(name, device):
@@ -254,19 +268,11 @@ def test_kernels_are_accurate_over_the_whole_range(name, device):
         x = torch.stack([values, values.flip(0)], dim=-1)  # rows of [gate | linear], F = 1
     else:
         x = values.view(-1, 1)
-    grad = torch.ones(x.shape[0], 1)
-    xs = x.clone().to(device).requires_grad_()
-    with use_kernel_backend("triton"):
-        out = fused_activation(xs, spec)
-        out.backward(grad.to(device))
-    xr = x.double().requires_grad_()
-    ref = spec.reference(xr)
-    ref.backward(grad.double())
+    out, dx, ref, ref_dx = _kernel_and_float64(spec, x, device)
     checks = [("output", out, ref)]
     if not spec.is_situ_glu:
-        checks.append(("dx", xs.grad, xr.grad))
+        checks.append(("dx", dx, ref_dx))
     for what, got, want in checks:
-        got, want = got.detach().cpu().double(), want.detach().double()
         # 3e-5: a float32 exponent argument near 90 carries ~1e-5 relative error by itself. 1e-12:
         # the float64 reference's own 1 + tanh(z) cancels to 0 below x ~ -6, where sigmoid(2z)
         # still resolves 1e-23.
@@ -301,23 +307,18 @@ def test_underflowing_exponentials_change_nothing_above_1e_35(name, device):
     values = torch.cat([-tail, tail])
     spec = SPECS[name]
     x = torch.stack([values, torch.ones_like(values)], dim=-1) if spec.gated else values.view(-1, 1)
-    grad = torch.ones(x.shape[0], 1)
-    xs = x.clone().to(device).requires_grad_()
-    with use_kernel_backend("triton"):
-        out = fused_activation(xs, spec)
-        out.backward(grad.to(device))
-    xr = x.double().requires_grad_()
+    reference = None
     if spec.kind.value == "gelu_tanh":
-        ref = _gelu_tanh_via_sigmoid(xr[:, :1]) * (xr[:, 1:] if spec.gated else 1.0)
-    else:
-        ref = spec.reference(xr)
-    ref.backward(grad.double())
-    assert not xs.grad.isnan().any()
+
+        def reference(xr):
+            return _gelu_tanh_via_sigmoid(xr[:, :1]) * (xr[:, 1:] if spec.gated else 1.0)
+
+    out, dx, ref, ref_dx = _kernel_and_float64(spec, x, device, reference)
+    assert not dx.isnan().any()
     checks = [(out, ref)]
     if not spec.is_situ_glu:  # SiTU-GLU's 1 - tanh**2 cancels in its tails (see the test above)
-        checks.append((xs.grad, xr.grad))
+        checks.append((dx, ref_dx))
     for got, want in checks:
-        got, want = got.detach().cpu().double(), want.detach().double()
         assert not got.isnan().any()
         # Relative 3e-5 where the values are normal (SiLU's x * sigmoid(x) near x = -9 is -1e-3).
         bound = 3e-5 * want.abs() + 1e-35
