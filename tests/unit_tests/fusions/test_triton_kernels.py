@@ -241,8 +241,8 @@ def _whole_range(n_each=60):
 
 
 def _kernel_and_float64(spec, x, device, reference=None):
-    """``(output, dx)`` of the Triton path on float32 ``x`` (a gradient of ones) and the same of
-    ``reference`` (default: the spec's) in float64, all as float64 on the CPU."""
+    """``(output, dx, reference output, reference dx)``: the Triton path on float32 ``x`` (a
+    gradient of ones), then ``reference`` (default: the spec's) in float64; all float64 on CPU."""
     grad = torch.ones(x.shape[0], 1)
     xs = x.clone().to(device).requires_grad_()
     with use_kernel_backend("triton"):
