@@ -14,9 +14,9 @@ to float32, all math in float32, stores cast to the output dtype. One is rearran
 division instead of a tanh and is accurate where ``1 + tanh(z)`` cancels. Exponentials are
 ``tl.exp2`` of a log2(e)-scaled argument, which on NVIDIA GPUs flushes results below 2**-126
 to 0 (``_LOG2_E`` says where that can show: nowhere above 1e-35). Every division (the
-sigmoid's, tanh's) has a divisor ``>= 1``; for 16-bit inputs on CUDA it runs as a hardware
-reciprocal and a multiply (within 1.5 ulp), otherwise as div.full.f32 (within 2 ulp; ``_div``
-says why). Clamps are ``where``
+sigmoid's, tanh's; SiTU-GLU's forward shares one among its fractions, ``_situ_glu``) has a
+divisor ``>= 1``; for 16-bit inputs on CUDA it runs as a hardware reciprocal and a multiply
+(within 1.5 ulp), otherwise as div.full.f32 (within 2 ulp; ``_div`` says why). Clamps are ``where``
 selects that keep NaN (as ``torch.clamp`` does; ``tl.minimum`` would drop it), gradient masks are
 inclusive at the boundary and multiplied in, so NaN inputs give NaN outputs and gradients.
 
@@ -79,7 +79,8 @@ _LOG2_E = tl.constexpr(math.log2(math.e))
 
 @triton.jit
 def _div(a, b, FAST_DIV: tl.constexpr):
-    """``a / b`` for divisors ``b >= 1`` (every division here is by ``1 + exp(...)``).
+    """``a / b`` for divisors ``b >= 1`` (every division here is by ``1 + exp(...)`` or a
+    product of such terms).
 
     ``FAST_DIV``: ``a * rcp.approx(b)``, one special-function reciprocal (within 1 ulp) and a
     multiply, within 1.5 ulp of ``a / b``. Otherwise ``tl.math.fdiv``, the full-range
@@ -106,17 +107,45 @@ def _sigmoid(x, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
+def _tanh_small(x):
+    # tanh(x) for |x| < 1/16, where the exponential forms cancel: the odd Taylor polynomial to x^5
+    # (the x^7 term, 17/315 x^7, is below 4e-9 of x there: under float32's half ulp).
+    x2 = x * x
+    return x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0)))
+
+
+@triton.jit
 def _tanh(x, FAST_DIV: tl.constexpr):
     # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
-    # tanh has no interpreter implementation). (1 - e) / (1 + e) with e = exp(-2|x|) cancels for
-    # small |x|; below 1/16 an odd Taylor polynomial to x^7 is exact to float32 rounding.
+    # tanh has no interpreter implementation): 1 - 2 / (1 + exp(2x)) needs no sign split, since
+    # exp(2x) overflows to inf above x = 44 (giving 1) and flushes to 0 below -44 (giving -1);
+    # NaN stays NaN. The subtraction cancels as |x| -> 0: at the Taylor branch's switch (1/16) it
+    # costs a factor of 16, a few ulp of the result.
+    t = 1.0 - 2.0 * _div(1.0, 1.0 + tl.exp2(x * (2.0 * _LOG2_E)), FAST_DIV)
+    # NaN fails the comparison and falls through to t, which is NaN.
+    return tl.where(tl.abs(x) < 0.0625, _tanh_small(x), t)
+
+
+@triton.jit
+def _tanh_fraction(x):
+    """``(n, d)`` with ``tanh(x) == n / d`` and ``1 <= d <= 2``: the division left to the caller,
+    which can share one reciprocal among several fractions."""
     ax = tl.abs(x)
     e = tl.exp2(ax * (-2.0 * _LOG2_E))
-    t = _div(1.0 - e, 1.0 + e, FAST_DIV)
-    x2 = x * x
-    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    # NaN fails both comparisons and falls through to t, which is NaN.
-    return tl.where(ax < 0.0625, small, tl.where(x < 0.0, -t, t))
+    d = 1.0 + e
+    # As in _tanh; NaN falls through to 1 - e, which is NaN.
+    n = tl.where(ax < 0.0625, _tanh_small(x) * d, tl.where(x < 0.0, e - 1.0, 1.0 - e))
+    return n, d
+
+
+@triton.jit
+def _sigmoid_fraction(x):
+    """``(n, d)`` with ``sigmoid(x) == n / d`` and ``1 <= d <= 2``: e = exp(-|x|) never overflows
+    (x < 0 gives e / (1 + e)), so the denominators of several fractions can be multiplied
+    without reaching inf. e flushes to 0 below x = -87, where sigmoid(x) < 2**-126."""
+    e = tl.exp2(tl.abs(x) * -_LOG2_E)
+    # NaN: e is NaN and so is d.
+    return tl.where(x < 0.0, e, 1.0), 1.0 + e
 
 
 @triton.jit
@@ -204,6 +233,42 @@ def _glu_terms(
 
 
 @triton.jit
+def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.constexpr):
+    """SiTU-GLU's forward value ``s_g * tanh(g / s_g) * sigmoid(g) * (s_l * tanh(u / s_l) + o)``
+    (``u + o`` without ``s_l``), its fractions multiplied out over one denominator in [1, 8].
+
+    _glu_terms spends a division on each fraction, and the forward has no gradient terms to
+    share them with: on an H200 the bf16 forward was bound by the special-function unit, which
+    runs reciprocals and exponentials at an eighth of the FMA rate (6.2 of its 49 instructions
+    per element), and in float32 each div.full is several instructions. Raw forward / copy floor,
+    SiTU-GLU(4,25) at 16384 x 8192: bf16 1.40 -> 1.24, float32 1.12 -> 0.97 (docs/performance.md,
+    session 11). The extra rounding is a few float32 ulp.
+    """
+    s_g = tl.load(params_ptr + 1)
+    n_t, d_t = _tanh_fraction(gate * (1.0 / s_g))
+    n_s, d_s = _sigmoid_fraction(gate)
+    num = n_t * n_s
+    den = d_t * d_s
+    # s_g is folded into the linear factor's per-program constants: one multiply less each.
+    offset = tl.load(params_ptr + 3)
+    if LINEAR_TANH:
+        s_l = tl.load(params_ptr + 2)
+        if FAST_DIV:
+            # A hardware reciprocal is one instruction, fewer than folding the linear tanh into
+            # the shared denominator costs (bf16, sm_90: 45.5 against 49.5 per element).
+            t_l = _tanh(lin * (1.0 / s_l), FAST_DIV)
+            num = num * (t_l * (s_g * s_l) + s_g * offset)
+        else:
+            # div.full is several instructions: one division for all three fractions.
+            n_l, d_l = _tanh_fraction(lin * (1.0 / s_l))
+            num = num * (n_l * (s_g * s_l) + d_l * (s_g * offset))
+            den = den * d_l
+    else:
+        num = num * (lin * s_g + s_g * offset)
+    return _div(num, den, FAST_DIV)
+
+
+@triton.jit
 def _unary_terms(
     h, params_ptr, KIND: tl.constexpr, SOFT_CLAMP: tl.constexpr, FAST_DIV: tl.constexpr
 ):
@@ -286,10 +351,13 @@ def _activation_fwd_kernel(
         if HAS_BIAS:
             gate += tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             lin += tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        act, lin, _, _ = _glu_terms(
-            gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH, FAST_DIV
-        )
-        y = act * lin
+        if GATE_TANH:
+            y = _situ_glu(gate, lin, params_ptr, LINEAR_TANH, FAST_DIV)
+        else:
+            act, lin, _, _ = _glu_terms(
+                gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH, FAST_DIV
+            )
+            y = act * lin
     else:
         h = tl.load(x_ptr + row64 * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -570,11 +638,6 @@ _FLAT_UNARY = True
 # 8192; weighted and non-gated calls lost up to 0.11 with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
-# Least row blocks per bias program. With few rows every program takes one row block and writes a
-# partial sum of its columns: at 4096 x 2048 the GLU's partials are as large as its input. 8 read
-# 0.02-0.14 of the floor faster there and within 0.03 at the large shapes (H200, session 10, run
-# 39), but the GPU tier has not run with it yet, so it stays 1 until a run confirms it.
-_BIAS_MIN_ROW_BLOCKS = 1
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -871,7 +934,7 @@ def _row_programs(v, rows: int, block_m: int, col_blocks: int) -> tuple[int, int
     if not v.has_bias:
         return block_m, row_blocks
     programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
-    row_programs = min(_cdiv(row_blocks, _BIAS_MIN_ROW_BLOCKS), max(1, programs // col_blocks))
+    row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
     return rows_per_program, _cdiv(rows, rows_per_program)
 
