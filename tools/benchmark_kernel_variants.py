@@ -137,12 +137,15 @@ def layout_formulations(v: ak.KernelVariant) -> dict:
     }
 
 
-def check_formulation(label: str, out: torch.Tensor, expected: torch.Tensor) -> None:
-    """Raises unless ``out`` equals ``expected`` to within the rounding of ``expected.dtype``."""
+def check_formulation(
+    label: str, out: torch.Tensor, expected: torch.Tensor, units: int = 2
+) -> None:
+    """Raises unless ``out`` equals ``expected`` to within the rounding of ``expected.dtype``:
+    two units of it per element, or ``units`` units of the largest value."""
     scale = expected.abs().max().float().clamp_min(1e-30).item()
     eps = torch.finfo(expected.dtype).eps
     torch.testing.assert_close(
-        out.float(), expected.float(), rtol=2 * eps, atol=2 * eps * scale, msg=label
+        out.float(), expected.float(), rtol=2 * eps, atol=units * eps * scale, msg=label
     )
 
 

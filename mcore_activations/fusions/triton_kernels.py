@@ -117,10 +117,25 @@ def _tanh_small(x):
 @triton.jit
 def _tanh(x, FAST_DIV: tl.constexpr):
     # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
-    # tanh has no interpreter implementation): 1 - 2 / (1 + exp(2x)) needs no sign split, since
-    # exp(2x) overflows to inf above x = 44 (giving 1) and flushes to 0 below -44 (giving -1);
-    # NaN stays NaN. The subtraction cancels as |x| -> 0: at the Taylor branch's switch (1/16) it
-    # costs a factor of 16, a few ulp of the result.
+    # tanh has no interpreter implementation): (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, and
+    # the sign put back. SiTU-GLU's gate and the soft clamp of non-gated kinds use it.
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * _LOG2_E))
+    t = _div(1.0 - e, 1.0 + e, FAST_DIV)
+    # NaN fails both comparisons and falls through to t, which is NaN.
+    return tl.where(ax < 0.0625, _tanh_small(x), tl.where(x < 0.0, -t, t))
+
+
+@triton.jit
+def _tanh_via_sigmoid(x, FAST_DIV: tl.constexpr):
+    # tanh(x) = 2 sigmoid(2x) - 1 = 1 - 2 / (1 + exp(2x)): no sign split, since exp(2x)
+    # overflows to inf above x = 44 (giving 1) and flushes to 0 below -44 (giving -1); NaN stays
+    # NaN. The subtraction cancels as |x| -> 0: at the Taylor branch's switch (1/16) it costs a
+    # factor of 16, a few ulp of the result. Two instructions fewer than _tanh; SiTU-GLU's
+    # linear half uses it. H200, bf16 SiTU-GLU(4,25), raw backward / copy floor at 16384 x 8192
+    # (docs/performance.md, session 11): 1.115 -> 1.094 with it for both halves, 1.136 with it
+    # for the linear half only; but SiTU-GLU(4), whose only tanh is the gate's, lost 0.02-0.05
+    # weighted or with a bias when its gate took this form, so the gate keeps _tanh.
     t = 1.0 - 2.0 * _div(1.0, 1.0 + tl.exp2(x * (2.0 * _LOG2_E)), FAST_DIV)
     # NaN fails the comparison and falls through to t, which is NaN.
     return tl.where(tl.abs(x) < 0.0625, _tanh_small(x), t)
@@ -220,7 +235,7 @@ def _glu_terms(
         act, d_act = _base_and_grad(gate, KIND, FAST_DIV)
     if LINEAR_TANH:
         s_l = tl.load(params_ptr + 2)
-        t_l = _tanh(lin * (1.0 / s_l), FAST_DIV)
+        t_l = _tanh_via_sigmoid(lin * (1.0 / s_l), FAST_DIV)
         lin = s_l * t_l
         d_lin = 1.0 - t_l * t_l
     else:
@@ -241,8 +256,8 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
     share them with: on an H200 the bf16 forward was bound by the special-function unit, which
     runs reciprocals and exponentials at an eighth of the FMA rate (6.2 of its 49 instructions
     per element), and in float32 each div.full is several instructions. Raw forward / copy floor,
-    SiTU-GLU(4,25) at 16384 x 8192: bf16 1.40 -> 1.24, float32 1.12 -> 0.97 (docs/performance.md,
-    session 11). The extra rounding is a few float32 ulp.
+    SiTU-GLU(4,25) at 16384 x 8192: bf16 1.39 -> 1.24, float32 1.12 -> 0.97-0.98
+    (docs/performance.md, session 11). The extra rounding is a few float32 ulp.
     """
     s_g = tl.load(params_ptr + 1)
     n_t, d_t = _tanh_fraction(gate * (1.0 / s_g))
@@ -256,7 +271,7 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
         if FAST_DIV:
             # A hardware reciprocal is one instruction, fewer than folding the linear tanh into
             # the shared denominator costs (bf16, sm_90: 45.5 against 49.5 per element).
-            t_l = _tanh(lin * (1.0 / s_l), FAST_DIV)
+            t_l = _tanh_via_sigmoid(lin * (1.0 / s_l), FAST_DIV)
             num = num * (t_l * (s_g * s_l) + s_g * offset)
         else:
             # div.full is several instructions: one division for all three fractions.

@@ -39,6 +39,19 @@ def test_compiled_formulations_pass_the_benchmark_check():
         check_formulation("wrong", expected * 1.05, expected)
 
 
+def test_formulation_check_allows_the_units_it_is_given():
+    """Eight units of float32 rounding at the largest value fail the default check and pass
+    with ``units=16`` (the A/B tool's baseline check); a 5 % error fails both."""
+    expected = torch.linspace(-3.0, 3.0, 101)
+    off = expected.clone()
+    off[50] += 8 * torch.finfo(torch.float32).eps * 3.0  # the element at 0
+    with pytest.raises(AssertionError):
+        check_formulation("default", off, expected)
+    check_formulation("sixteen", off, expected, units=16)
+    with pytest.raises(AssertionError):
+        check_formulation("wrong", expected * 1.05, expected, units=16)
+
+
 def test_every_experiment_is_documented():
     """The module docstring lists exactly the experiments ``--experiment`` accepts."""
     import re
