@@ -12,12 +12,12 @@ path of a copy of that file (the GPU machine gets a snapshot of the tree, withou
 ``--variant`` adds more kernel sources the same way, each timed in the same turns under its
 label, so several formulations of a kernel compare in one run. For each case and shape
 the script checks that the two agree (the output or input gradient to the rounding of the dtype,
-16 units of the largest value; the bias and probability gradients, sums whose order follows the
-plan, to 1e-4 of their largest value or two units of the dtype's rounding, whichever is larger),
-then times, in turns (``time_interleaved``): a copy of the same bytes (the floor), this tree's
-call without the bias and probabilities (what the variant adds), the baseline's call, this
-tree's, this tree's with each ``--candidate`` set of ``triton_kernels`` constants, and each
-``--variant``'s. It prints
+or 16 float32 units of the largest value; the bias and probability gradients, sums whose order
+follows the plan, to 1e-4 of their largest value or two units of the dtype's rounding, whichever
+is larger), then times, in turns (``time_interleaved``): a copy of the same bytes (the floor),
+this tree's call without the bias and probabilities (what the variant adds), the baseline's
+call, this tree's, this tree's with each ``--candidate`` set of ``triton_kernels`` constants,
+and each ``--variant``'s. It prints
 time / floor and the ratio of this tree to the baseline. Session 8's measurements of the
 weighted and bias backward (docs/performance.md, runs 31-33) were taken with ad-hoc scripts of
 this form; session 9's (runs 34-35) with this one.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -166,9 +167,12 @@ def bench_case(
         pairs = zip(ours, theirs) if backward else [(ours, theirs)]
         for i, (mine, base) in enumerate(pairs):
             if i == 0:
-                # 16 units of the largest value: a source that evaluates a formula another way
-                # (session 11's tanh) rounds differently, most where 1 - tanh**2 cancels.
-                check_formulation(f"{label} against the baseline", mine, base, units=16)
+                # 16 float32 units of the largest value (at least the default 2 of the dtype): a
+                # source that evaluates a formula another way (session 11's tanh) rounds
+                # differently, most where 1 - tanh**2 cancels.
+                eps = torch.finfo(base.dtype).eps
+                units = max(2, math.ceil(16 * torch.finfo(torch.float32).eps / eps))
+                check_formulation(f"{label} against the baseline", mine, base, units=units)
             elif mine is not None:
                 # The bias and probability gradients are float32 sums whose order follows the
                 # plan, rounded to the bias's or probabilities' dtype.

@@ -118,7 +118,8 @@ def _tanh_small(x):
 def _tanh(x, FAST_DIV: tl.constexpr):
     # tanh from exp, so the CPU interpreter and the GPU compute the same formula (libdevice's
     # tanh has no interpreter implementation): (1 - e) / (1 + e) with e = exp(-2|x|) <= 1, and
-    # the sign put back. SiTU-GLU's gate and the soft clamp of non-gated kinds use it.
+    # the sign put back. SiTU-GLU's gate in the backward and the soft clamp of non-gated kinds
+    # use it (the forwards take _tanh_fraction).
     ax = tl.abs(x)
     e = tl.exp2(ax * (-2.0 * _LOG2_E))
     t = _div(1.0 - e, 1.0 + e, FAST_DIV)
@@ -131,10 +132,11 @@ def _tanh_via_sigmoid(x, FAST_DIV: tl.constexpr):
     # tanh(x) = 2 sigmoid(2x) - 1 = 1 - 2 / (1 + exp(2x)): no sign split, since exp(2x)
     # overflows to inf above x = 44 (giving 1) and flushes to 0 below -44 (giving -1); NaN stays
     # NaN. The subtraction cancels as |x| -> 0: at the Taylor branch's switch (1/16) it costs a
-    # factor of 16, a few ulp of the result. Two instructions fewer than _tanh; SiTU-GLU's
-    # linear half uses it. H200, bf16 SiTU-GLU(4,25), raw backward / copy floor at 16384 x 8192
+    # factor of 16, up to about 30 float32 ulp of the result (against _tanh's 7). Two
+    # instructions fewer than _tanh; SiTU-GLU's linear half uses it in the backward and the
+    # 16-bit forward. H200, bf16 SiTU-GLU(4,25), raw backward / copy floor at 16384 x 8192
     # (docs/performance.md, session 11): 1.115 -> 1.094 with it for both halves, 1.136 with it
-    # for the linear half only; but SiTU-GLU(4), whose only tanh is the gate's, lost 0.02-0.05
+    # for the linear half only; but SiTU-GLU(4), whose only tanh is the gate's, lost 0.03-0.05
     # weighted or with a bias when its gate took this form, so the gate keeps _tanh.
     t = 1.0 - 2.0 * _div(1.0, 1.0 + tl.exp2(x * (2.0 * _LOG2_E)), FAST_DIV)
     # NaN fails the comparison and falls through to t, which is NaN.
@@ -250,7 +252,8 @@ def _glu_terms(
 @triton.jit
 def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.constexpr):
     """SiTU-GLU's forward value ``s_g * tanh(g / s_g) * sigmoid(g) * (s_l * tanh(u / s_l) + o)``
-    (``u + o`` without ``s_l``), its fractions multiplied out over one denominator in [1, 8].
+    (``u + o`` without ``s_l``), its fractions multiplied out over one denominator (in [1, 4];
+    in float32 the linear tanh's joins it too, [1, 8]).
 
     _glu_terms spends a division on each fraction, and the forward has no gradient terms to
     share them with: on an H200 the bf16 forward was bound by the special-function unit, which
@@ -270,7 +273,8 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
         s_l = tl.load(params_ptr + 2)
         if FAST_DIV:
             # A hardware reciprocal is one instruction, fewer than folding the linear tanh into
-            # the shared denominator costs (bf16, sm_90: 45.5 against 49.5 per element).
+            # the shared denominator costs (bf16, sm_90, Triton 3.6: 45.5 instructions per
+            # element against 49.5, measured with tools/inspect_kernel_sass.py, session 11).
             t_l = _tanh_via_sigmoid(lin * (1.0 / s_l), FAST_DIV)
             num = num * (t_l * (s_g * s_l) + s_g * offset)
         else:
@@ -279,7 +283,9 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
             num = num * (n_l * (s_g * s_l) + d_l * (s_g * offset))
             den = den * d_l
     else:
-        num = num * (lin * s_g + s_g * offset)
+        # The gate factor is finished before the unbounded linear factor multiplies it, so a
+        # |u| near the float32 maximum cannot overflow the product (or turn 0 * inf into NaN).
+        return _div(num * s_g, den, FAST_DIV) * (lin + offset)
     return _div(num, den, FAST_DIV)
 
 
