@@ -373,6 +373,8 @@ def _activation_fwd_kernel(
             gate += tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             lin += tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATE_TANH:
+            # _situ_glu has no clamp; ActivationSpec refuses a clamp with a gate tanh.
+            tl.static_assert(not CLAMP, "SiTU-GLU with a clamp has no fused forward")
             y = _situ_glu(gate, lin, params_ptr, LINEAR_TANH, FAST_DIV)
         else:
             act, lin, _, _ = _glu_terms(

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from mcore_activations.activation_spec import GELU_TANH_COEF
+from mcore_activations.activation_spec import GELU_TANH_COEF, ActivationKind, ActivationSpec
 from mcore_activations.fusions import activation_ops
 from mcore_activations.fusions.activation_kernels import KernelVariant, backward_math, forward_math
 from mcore_activations.fusions.activation_ops import kernel_backend, use_kernel_backend
@@ -273,6 +273,30 @@ def test_kernels_are_accurate_over_the_whole_range(name, dtype, device):
             f"{spec.name} {what}: x={x[worst // got.shape[-1]].tolist()} "
             f"got {got.view(-1)[worst].item():.9g}, want {want.view(-1)[worst].item():.9g}"
         )
+
+
+@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("linear_scale", [25.0, None], ids=["s_l=25", "gate_only"])
+def test_situ_glu_with_an_offset(linear_scale, dtype, device):
+    """SiTU-GLU with a linear offset (Kimi-K3's s_g = 4, s_l = 25, offset 1): the forward folds
+    s_g and the offset into its shared division (``_situ_glu``), in a form per dtype and per
+    linear scale, which the catalogue's offset-free entries cannot tell apart from a dropped or
+    misweighted offset. Output and gradient against float64, over the whole range and random
+    values large enough to saturate both tanh halves."""
+    spec = ActivationSpec(
+        ActivationKind.SILU,
+        gated=True,
+        gate_tanh_scale=4.0,
+        linear_tanh_scale=linear_scale,
+        linear_offset=1.0,
+    )
+    values = _whole_range()
+    torch.manual_seed(0)
+    x = torch.cat([torch.stack([values, values.flip(0)], dim=-1), torch.randn(200, 2) * 40])
+    out, dx, ref, ref_dx = _kernel_and_float64(spec, x.to(dtype), device)
+    assert_close_to_reference(out, ref, dtype, "output")
+    assert_close_to_reference(dx, ref_dx, dtype, "dx")
 
 
 def _gelu_tanh_via_sigmoid(x):
