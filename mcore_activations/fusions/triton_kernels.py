@@ -250,7 +250,14 @@ def _glu_terms(
 
 
 @triton.jit
-def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.constexpr):
+def _situ_glu(
+    gate,
+    lin,
+    params_ptr,
+    LINEAR_TANH: tl.constexpr,
+    SHORT_INPUT: tl.constexpr,
+    FAST_DIV: tl.constexpr,
+):
     """SiTU-GLU's forward value ``s_g * tanh(g / s_g) * sigmoid(g) * (s_l * tanh(u / s_l) + o)``
     (``u + o`` without ``s_l``), its fractions multiplied out over one denominator (in [1, 4];
     in float32 the linear tanh's joins it too, [1, 8]).
@@ -261,6 +268,10 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
     per element), and in float32 each div.full is several instructions. Raw forward / copy floor,
     SiTU-GLU(4,25) at 16384 x 8192: bf16 1.39 -> 1.24, float32 1.12 -> 0.97-0.98
     (docs/performance.md, session 11). The extra rounding is a few float32 ulp.
+
+    ``SHORT_INPUT`` (16-bit inputs) picks the linear tanh's form. On a GPU it coincides with
+    ``FAST_DIV``; it is kept apart so the CPU interpreter, which has no hardware reciprocal,
+    still runs the 16-bit form (with full divisions).
     """
     s_g = tl.load(params_ptr + 1)
     n_t, d_t = _tanh_fraction(gate * (1.0 / s_g))
@@ -271,7 +282,7 @@ def _situ_glu(gate, lin, params_ptr, LINEAR_TANH: tl.constexpr, FAST_DIV: tl.con
     offset = tl.load(params_ptr + 3)
     if LINEAR_TANH:
         s_l = tl.load(params_ptr + 2)
-        if FAST_DIV:
+        if SHORT_INPUT:
             # A hardware reciprocal is one instruction, fewer than folding the linear tanh into
             # the shared denominator costs (bf16, sm_90, Triton 3.6: 45.5 instructions per
             # element against 49.5, measured with tools/inspect_kernel_sass.py, session 11).
@@ -375,7 +386,8 @@ def _activation_fwd_kernel(
         if GATE_TANH:
             # _situ_glu has no clamp; ActivationSpec refuses a clamp with a gate tanh.
             tl.static_assert(not CLAMP, "SiTU-GLU with a clamp has no fused forward")
-            y = _situ_glu(gate, lin, params_ptr, LINEAR_TANH, FAST_DIV)
+            short_input: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth <= 16
+            y = _situ_glu(gate, lin, params_ptr, LINEAR_TANH, short_input, FAST_DIV)
         else:
             act, lin, _, _ = _glu_terms(
                 gate, lin, params_ptr, KIND, CLAMP, GATE_TANH, LINEAR_TANH, FAST_DIV
@@ -523,12 +535,21 @@ def _activation_bwd_kernel(
         # warps (shared memory and a barrier) on every trip of a tile of several rows, which ran
         # the unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
         # session 8). For one-row tiles both forms add the same numbers in the same order and
-        # compile to the same SASS (tools/inspect_kernel_sass.py).
+        # compile to the same SASS (tools/inspect_kernel_sass.py). With probabilities the plan
+        # gives each thread all of a tile's rows (_probs_bias_backward_plan), so there the sum
+        # over the rows is taken on every trip, inside each thread, and the accumulators are
+        # one row wide (half the registers at two rows).
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if HAS_PROBS:
+            acc_g = tl.zeros((BLOCK_N,), tl.float32)
+        else:
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         if GATED:
             bias_l = tl.load(bias_ptr + lcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            if HAS_PROBS:
+                acc_l = tl.zeros((BLOCK_N,), tl.float32)
+            else:
+                acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling. That loop loads
     # each trip's inputs one trip ahead (the loads are masked to the program's rows, so nothing
@@ -592,8 +613,12 @@ def _activation_bwd_kernel(
             tl.store(dx_row + gcol[None, :], d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
             tl.store(dx_row + lcol[None, :], d_linear.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.where(mask, d_gate, 0.0)
-                acc_l += tl.where(mask, d_linear, 0.0)
+                if HAS_PROBS:
+                    acc_g += tl.sum(tl.where(mask, d_gate, 0.0), axis=0)
+                    acc_l += tl.sum(tl.where(mask, d_linear, 0.0), axis=0)
+                else:
+                    acc_g += tl.where(mask, d_gate, 0.0)
+                    acc_l += tl.where(mask, d_linear, 0.0)
         else:
             h = gate_raw.to(tl.float32)
             if HAS_BIAS:
@@ -602,7 +627,10 @@ def _activation_bwd_kernel(
             d_h = g * p * d if HAS_PROBS else g * d
             tl.store(dx_ptr + row64 * W + cols[None, :], d_h.to(dx_ptr.dtype.element_ty), mask=mask)
             if HAS_BIAS:
-                acc_g += tl.where(mask, d_h, 0.0)
+                if HAS_PROBS:
+                    acc_g += tl.sum(tl.where(mask, d_h, 0.0), axis=0)
+                else:
+                    acc_g += tl.where(mask, d_h, 0.0)
             if HAS_PROBS:
                 dprobs_terms = g * y
         if HAS_PROBS:
@@ -614,9 +642,13 @@ def _activation_bwd_kernel(
             part = tl.sum(dprobs_terms, axis=1)
             tl.store(dprobs_part_ptr + pid_n * rows + row, part, mask=row_ok)
     if HAS_BIAS:
-        tl.store(dbias_part_ptr + pid_m * W + gcol, tl.sum(acc_g, axis=0), mask=col_ok)
+        if not HAS_PROBS:
+            acc_g = tl.sum(acc_g, axis=0)
+        tl.store(dbias_part_ptr + pid_m * W + gcol, acc_g, mask=col_ok)
         if GATED:
-            tl.store(dbias_part_ptr + pid_m * W + lcol, tl.sum(acc_l, axis=0), mask=col_ok)
+            if not HAS_PROBS:
+                acc_l = tl.sum(acc_l, axis=0)
+            tl.store(dbias_part_ptr + pid_m * W + lcol, acc_l, mask=col_ok)
 
 
 # ----------------------------------------------------------------------------- launch
@@ -632,6 +664,12 @@ _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 co
 _BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
+# Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop
+# where the column block is 1024 wide, the register cap there for the kinds heavy in
+# transcendentals, and the cap for narrower column blocks (one row per trip).
+_BWD_PROBS_BIAS_ROWS = 2
+_BWD_PROBS_BIAS_MAX_REGISTERS = 128
+_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS = 112
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
 # the reduce experiment: at 48 the bf16 clamped SwiGLU gained 0.01 of the copy floor on an H200,
 # while fp32, GEGLU and SiTU-GLU lost 0.02-0.05 and the bias variants 0.5-0.9 (session 8).
@@ -744,6 +782,8 @@ def _forward_plan(v, F, itemsize: int):
 
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
+    if v.has_probs and v.has_bias and v.gated and itemsize <= 2:
+        return _probs_bias_backward_plan(v, F, fast_div)
     if v.has_probs:
         return _probs_backward_plan(
             v,
@@ -762,6 +802,44 @@ def _backward_plan(v, F, itemsize: int):
             v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST
         )
     return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
+
+
+def _probs_bias_backward_plan(v, F: int, fast_div: bool):
+    """The weighted backward's plan with a bias, for 16-bit GLUs.
+
+    With a bias each program walks a range of rows, and every trip ends in the probability
+    gradient's cross-warp sum (a barrier). Where the column block is 1024 wide, a trip takes
+    ``_BWD_PROBS_BIAS_ROWS`` rows: the warps still split the columns, so each thread holds the
+    trip's rows of its columns and the bias gradient's sum over them stays in registers (the
+    kernel's 1-D accumulators), while one barrier serves several rows. SiTU-GLU and the GELUs
+    then take a register cap (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row
+    per trip under ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``. H200, bf16, raw backward / copy
+    floor, one row uncapped -> this plan (docs/performance.md, session 12, run 52; runs 50-51
+    timed the parts), 16384 x 8192: clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23,
+    GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536
+    (512-column blocks): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
+    Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
+    slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
+    """
+    block_n = _block_n(F, _BWD_PROBS_MAX_BLOCK_N)
+    if block_n >= 1024:
+        rows = _BWD_PROBS_BIAS_ROWS
+        heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
+        max_registers = _BWD_PROBS_BIAS_MAX_REGISTERS if heavy else None
+    else:
+        rows = 1
+        max_registers = _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS
+    # Columns per warp scale with the rows, so the warps split only the columns.
+    return _probs_backward_plan(
+        v,
+        F,
+        rows,
+        _BWD_PROBS_MAX_BLOCK_N,
+        _BWD_PROBS_COLUMNS_PER_WARP * rows,
+        max_registers,
+        fast_div,
+        _COLUMNS_FASTEST,
+    )
 
 
 @functools.cache

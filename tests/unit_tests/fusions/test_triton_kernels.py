@@ -113,6 +113,53 @@ def test_triton_weighted_backward_with_several_rows_per_program(name, device, mo
         )
 
 
+@pytest.mark.parametrize(
+    "name,dtype,ffn,expected",
+    [
+        # 16-bit GLUs, 1024-column blocks: two rows per trip over 4 warps (the columns split
+        # between the warps, the rows held by each thread), a register cap for the heavy kinds.
+        ("swiglu_clamp", torch.bfloat16, 8192, (2, 1024, 4, None)),
+        ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128)),
+        ("geglu", torch.float16, 8192, (2, 1024, 4, 128)),
+        # Narrower blocks: one row over 2 warps, the narrow cap.
+        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 112)),
+        # float32 and non-gated kinds keep the general weighted plan.
+        ("swiglu_clamp", torch.float32, 8192, (1, 1024, 4, None)),
+        ("squared_relu", torch.bfloat16, 8192, (1, 1024, 4, None)),
+    ],
+)
+def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
+    """The plan ``_probs_bias_backward_plan`` picks, and that the general weighted plan (no
+    bias) is untouched by it: one row per program, no cap."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
+    plan = triton_kernels._backward_plan(variant, ffn, itemsize)
+    assert (plan[0], plan[1], plan[2]["num_warps"], plan[2].get("maxnreg")) == expected
+    unbiased = KernelVariant.of(SPECS[name], has_bias=False, has_probs=True)
+    plan = triton_kernels._backward_plan(unbiased, ffn, itemsize)
+    assert (plan[0], plan[2].get("maxnreg")) == (1, None)
+
+
+@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu"])
+def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(name, device, monkeypatch):
+    """The 16-bit weighted backward with a bias at a 1024-column block: two rows per trip, the
+    bias gradient summed over each trip's rows inside the thread. 19 rows over 3 programs, each
+    looping over several trips, the last trip half empty; bf16 and the interleaved layout."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 3)
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
+    assert triton_kernels._backward_plan(variant, 1024, 2)[0] == 2
+    with use_kernel_backend("triton"):
+        for spec in (SPECS[name], dataclasses.replace(SPECS[name], glu_interleave_size=32)):
+            check_against_reference(
+                spec, torch.bfloat16, True, True, device=device, rows=19, ffn=1024
+            )
+
+
 @pytest.mark.parametrize("rows", [0, 3, 6])
 def test_weighted_backward_rows_per_program_must_be_a_power_of_two(rows, monkeypatch):
     """``_BWD_PROBS_ROWS`` becomes the tile's BLOCK_M, which Triton requires to be a power of
