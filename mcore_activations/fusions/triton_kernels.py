@@ -535,10 +535,11 @@ def _activation_bwd_kernel(
         # warps (shared memory and a barrier) on every trip of a tile of several rows, which ran
         # the unweighted GLU backward with bias at 4.4x the copy floor at 65536 x 1536 (H200,
         # session 8). For one-row tiles both forms add the same numbers in the same order and
-        # compile to the same SASS (tools/inspect_kernel_sass.py). With probabilities the plan
-        # gives each thread all of a tile's rows (_probs_bias_backward_plan), so there the sum
-        # over the rows is taken on every trip, inside each thread, and the accumulators are
-        # one row wide (half the registers at two rows).
+        # compile to the same SASS (tools/inspect_kernel_sass.py). With probabilities the sum
+        # over the tile's rows is taken on every trip and the accumulators are one row wide:
+        # the plans there give a tile one row, or rows that each thread holds whole (the warps
+        # split only the columns, _probs_bias_backward_plan), so that sum stays in the thread
+        # and two rows need half the accumulator registers.
         bias_g = tl.load(bias_ptr + gcol, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_PROBS:
             acc_g = tl.zeros((BLOCK_N,), tl.float32)
@@ -783,8 +784,19 @@ def _forward_plan(v, F, itemsize: int):
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if v.has_probs and v.has_bias and v.gated and itemsize <= 2:
-        return _probs_bias_backward_plan(v, F, fast_div)
+        return _probs_bias_backward_plan(
+            v,
+            F,
+            _BWD_PROBS_BIAS_ROWS,
+            _BWD_PROBS_BIAS_MAX_REGISTERS,
+            _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS,
+            _BWD_PROBS_MAX_BLOCK_N,
+            _BWD_PROBS_COLUMNS_PER_WARP,
+            fast_div,
+            _COLUMNS_FASTEST,
+        )
     if v.has_probs:
+        _require_power_of_two("_BWD_PROBS_ROWS", _BWD_PROBS_ROWS)
         return _probs_backward_plan(
             v,
             F,
@@ -804,8 +816,20 @@ def _backward_plan(v, F, itemsize: int):
     return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
 
 
-def _probs_bias_backward_plan(v, F: int, fast_div: bool):
-    """The weighted backward's plan with a bias, for 16-bit GLUs.
+@functools.cache
+def _probs_bias_backward_plan(
+    v,
+    F: int,
+    two_row_rows: int,
+    max_registers: Optional[int],
+    narrow_max_registers: Optional[int],
+    max_block_n: int,
+    columns_per_warp: int,
+    fast_div: bool,
+    columns_fastest: bool,
+):
+    """The weighted backward's plan with a bias, for 16-bit GLUs; cached, as ``_plan`` is (the
+    arguments after ``v`` and ``F`` are the module constants).
 
     With a bias each program walks a range of rows, and every trip ends in the probability
     gradient's cross-warp sum (a barrier). Where the column block is 1024 wide, a trip takes
@@ -821,25 +845,28 @@ def _probs_bias_backward_plan(v, F: int, fast_div: bool):
     Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
-    block_n = _block_n(F, _BWD_PROBS_MAX_BLOCK_N)
-    if block_n >= 1024:
-        rows = _BWD_PROBS_BIAS_ROWS
+    _require_power_of_two("_BWD_PROBS_BIAS_ROWS", two_row_rows)
+    if _block_n(F, max_block_n) >= 1024:
+        rows = two_row_rows
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
-        max_registers = _BWD_PROBS_BIAS_MAX_REGISTERS if heavy else None
+        cap = max_registers if heavy else None
     else:
         rows = 1
-        max_registers = _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS
+        cap = narrow_max_registers
     # Columns per warp scale with the rows, so the warps split only the columns.
     return _probs_backward_plan(
-        v,
-        F,
-        rows,
-        _BWD_PROBS_MAX_BLOCK_N,
-        _BWD_PROBS_COLUMNS_PER_WARP * rows,
-        max_registers,
-        fast_div,
-        _COLUMNS_FASTEST,
+        v, F, rows, max_block_n, columns_per_warp * rows, cap, fast_div, columns_fastest
     )
+
+
+def _require_power_of_two(name: str, rows: int) -> None:
+    # Rows per program become BLOCK_M, a tl.arange length, which Triton requires to be a power
+    # of two: refuse any other value with the constant's name before anything compiles.
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(
+            f"{name}={rows} is not a power of two; the weighted backward's rows per program "
+            "must be 1, 2, 4, ..."
+        )
 
 
 @functools.cache
@@ -869,12 +896,6 @@ def _probs_backward_plan(
     thread for the clamped SwiGLU at F = 8192 (1.08 against 1.10), which read 1.19 against 1.11
     at 1536.
     """
-    if rows < 1 or rows & (rows - 1):
-        # rows becomes BLOCK_M, a tl.arange length, which Triton requires to be a power of two.
-        raise ValueError(
-            f"_BWD_PROBS_ROWS={rows} is not a power of two; the weighted backward's rows per "
-            "program must be 1, 2, 4, ..."
-        )
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
     tile = rows * block_n

@@ -161,15 +161,21 @@ def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(name, device, mo
 
 
 @pytest.mark.parametrize("rows", [0, 3, 6])
-def test_weighted_backward_rows_per_program_must_be_a_power_of_two(rows, monkeypatch):
-    """``_BWD_PROBS_ROWS`` becomes the tile's BLOCK_M, which Triton requires to be a power of
+@pytest.mark.parametrize(
+    "constant,has_bias", [("_BWD_PROBS_ROWS", False), ("_BWD_PROBS_BIAS_ROWS", True)]
+)
+def test_weighted_backward_rows_per_program_must_be_a_power_of_two(
+    constant, has_bias, rows, monkeypatch
+):
+    """The weighted backward's rows per program (``_BWD_PROBS_ROWS``, and with a bias
+    ``_BWD_PROBS_BIAS_ROWS``) become the tile's BLOCK_M, which Triton requires to be a power of
     two: any other value is refused with the constant's name before anything compiles."""
     from mcore_activations.fusions import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "_BWD_PROBS_ROWS", rows)
-    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=False, has_probs=True)
-    with pytest.raises(ValueError, match=f"_BWD_PROBS_ROWS={rows} is not a power of two"):
-        triton_kernels._backward_plan(variant, 300, 2)
+    monkeypatch.setattr(triton_kernels, constant, rows)
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=has_bias, has_probs=True)
+    with pytest.raises(ValueError, match=f"{constant}={rows} is not a power of two"):
+        triton_kernels._backward_plan(variant, 1024, 2)
 
 
 @pytest.mark.parametrize("device", BOTH)
