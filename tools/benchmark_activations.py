@@ -314,12 +314,22 @@ def markdown(rows):
     return "\n".join(lines)
 
 
+def selected(args, name: str, T: int, H: int, dtype: torch.dtype) -> bool:
+    """Whether a row passes the ``--spec``, ``--h``, ``--t`` and ``--dtype`` filters."""
+    if args.spec and name not in args.spec:
+        return False
+    if (args.h and H not in args.h) or (args.t and T not in args.t):
+        return False
+    return not args.dtype or str(dtype).replace("torch.", "") in args.dtype
+
+
 def main(argv=None):
     """Runs the benchmark; prints the environment and a markdown table (JSON on request)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full"])
     parser.add_argument("--spec", action="append", choices=sorted(SPECS), help="only these")
     parser.add_argument("--h", type=int, action="append", help="only these widths H")
+    parser.add_argument("--t", type=int, action="append", help="only these row counts T")
     parser.add_argument(
         "--dtype", action="append", choices=["bfloat16", "float16", "float32"], help="only these"
     )
@@ -342,9 +352,7 @@ def main(argv=None):
     print(json.dumps(env), flush=True)
     rows = []
     for name, spec, T, H, dtype, weighted, with_eager in configurations(args.suite):
-        if (args.spec and name not in args.spec) or (args.h and H not in args.h):
-            continue
-        if args.dtype and str(dtype).replace("torch.", "") not in args.dtype:
+        if not selected(args, name, T, H, dtype):
             continue
         eager = with_eager and not args.no_eager
         rows.append(bench(name, spec, T, H, dtype, weighted, eager, args.min_batch_ms, args.bias))

@@ -182,7 +182,8 @@ def main(argv=None):
         other = None
         if args.compare:
             other = load_baseline(args.compare, tmp, "compared_triton_kernels")
-            missing = [n for n in ("uses_flat_kernel", "_row_programs") if not hasattr(other, n)]
+            missing = [] if hasattr(other, "_row_split") else ["_row_programs"]
+            missing = [n for n in ("uses_flat_kernel", *missing) if not hasattr(other, n)]
             if missing:
                 parser.error(
                     f"--compare: {args.compare}'s triton_kernels has no {', '.join(missing)} "
@@ -219,8 +220,12 @@ def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
     ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
     if plan[1] is not None:  # a tiled kernel
-        col_blocks = -(-args.ffn // plan[1])
-        ints["rows_per_program"] = kernels._row_programs(v, args.rows, plan[0], col_blocks)[0]
+        if hasattr(kernels, "_row_split"):
+            rows_per_program = kernels._row_split(v, args.rows, args.ffn, plan, dtype.itemsize)[1]
+        else:  # a revision before session 13
+            col_blocks = -(-args.ffn // plan[1])
+            rows_per_program = kernels._row_programs(v, args.rows, plan[0], col_blocks)[0]
+        ints["rows_per_program"] = rows_per_program
     return compile_kernel(kernel, plan, dtype, args.bias, has_probs, ints, args.arch), plan
 
 

@@ -669,6 +669,7 @@ _BWD_PROBS_MAX_BLOCK_N = 1024
 # where the column block is 1024 wide, the register cap there for the kinds heavy in
 # transcendentals, and the cap for narrower column blocks (one row per trip).
 _BWD_PROBS_BIAS_ROWS = 2
+_BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block that takes several rows a trip
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
 _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS = 112
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
@@ -700,6 +701,16 @@ _FLAT_UNARY = True
 # 8192; weighted and non-gated calls lost up to 0.11 with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
+# The weighted 16-bit GLU backward with a bias at column blocks narrower than 1024
+# (_probs_bias_backward_plan's one-row plan: 2-warp programs at F = 1536) runs 1056 = 8 x 132
+# programs. Every program does the same work and an H200's 132 SMs run 8 of them at once, so
+# the single wave is full, where 1024 left a quarter of the SMs a program short. H200, bf16, raw
+# backward / copy floor, 65536 x 1536, 1024 -> 1056 programs (docs/performance.md, session 13,
+# runs 54-55): clamped SwiGLU 1.317 -> 1.294, SiTU-GLU(4,25) 1.412 -> 1.388, every GLU kind
+# 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48. The two-row plan
+# at 1024-column blocks keeps _BIAS_PROGRAMS: there 1056 moved the kinds by -0.06 to +0.13
+# (16384 x 8192) and 1188 by -0.03 to +0.12, following each kind's register count.
+_BIAS_PROGRAMS_PROBS_NARROW = 1056
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -788,6 +799,7 @@ def _backward_plan(v, F, itemsize: int):
             v,
             F,
             _BWD_PROBS_BIAS_ROWS,
+            _BWD_PROBS_BIAS_WIDE_BLOCK_N,
             _BWD_PROBS_BIAS_MAX_REGISTERS,
             _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS,
             _BWD_PROBS_MAX_BLOCK_N,
@@ -821,6 +833,7 @@ def _probs_bias_backward_plan(
     v,
     F: int,
     two_row_rows: int,
+    wide_block_n: int,
     max_registers: Optional[int],
     narrow_max_registers: Optional[int],
     max_block_n: int,
@@ -832,21 +845,23 @@ def _probs_bias_backward_plan(
     arguments after ``v`` and ``F`` are the module constants).
 
     With a bias each program walks a range of rows, and every trip ends in the probability
-    gradient's cross-warp sum (a barrier). Where the column block is 1024 wide, a trip takes
-    ``_BWD_PROBS_BIAS_ROWS`` rows: the warps still split the columns, so each thread holds the
-    trip's rows of its columns and the bias gradient's sum over them stays in registers (the
-    kernel's 1-D accumulators), while one barrier serves several rows. SiTU-GLU and the GELUs
-    then take a register cap (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row
-    per trip under ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``. H200, bf16, raw backward / copy
-    floor, one row uncapped -> this plan (docs/performance.md, session 12, run 52; runs 50-51
-    timed the parts), 16384 x 8192: clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23,
-    GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536
-    (512-column blocks): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
+    gradient's cross-warp sum (a barrier). Where the column block is 1024 wide
+    (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip takes ``_BWD_PROBS_BIAS_ROWS`` rows: the warps
+    still split the columns, so each thread holds the trip's rows of its columns and the bias
+    gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one
+    barrier serves several rows. SiTU-GLU and the GELUs then take a register cap
+    (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
+    ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_PROBS_NARROW`` programs
+    (``_bias_programs``). H200, bf16, raw backward / copy floor, one row uncapped -> this plan
+    (docs/performance.md, session 12, run 52; runs 50-51 timed the parts), 16384 x 8192:
+    clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4)
+    1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024
+    programs): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
     Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
     _require_power_of_two("_BWD_PROBS_BIAS_ROWS", two_row_rows)
-    if _block_n(F, max_block_n) >= 1024:
+    if _block_n(F, max_block_n) >= wide_block_n:
         rows = two_row_rows
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
         cap = max_registers if heavy else None
@@ -1049,16 +1064,30 @@ def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
         _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
 
 
-def _row_programs(v, rows: int, block_m: int, col_blocks: int) -> tuple[int, int]:
-    """``(rows per program, programs per column block)`` of the tiled backward: one row block
-    each without a bias; with one, a fixed number of programs sharing the rows in ranges."""
+def _bias_programs(v, block_n: int, itemsize: int) -> int:
+    """Programs in total of the backward with a bias (``v.has_bias``), over all column blocks."""
+    if not v.gated:
+        return _BIAS_PROGRAMS
+    if not v.has_probs:
+        return _BIAS_PROGRAMS_GLU
+    if itemsize <= 2 and block_n < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
+        return _BIAS_PROGRAMS_PROBS_NARROW
+    return _BIAS_PROGRAMS
+
+
+def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int]:
+    """``(column blocks, rows per program, programs per column block)`` of the tiled backward
+    under ``plan``: one row block per program without a bias; with one, a fixed number of
+    programs sharing the rows in ranges."""
+    block_m, block_n = plan[0], plan[1]
+    col_blocks = _cdiv(F, block_n)
     row_blocks = _cdiv(rows, block_m)
     if not v.has_bias:
-        return block_m, row_blocks
-    programs = _BIAS_PROGRAMS_GLU if v.gated and not v.has_probs else _BIAS_PROGRAMS
+        return col_blocks, block_m, row_blocks
+    programs = _bias_programs(v, block_n, itemsize)
     row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
-    return rows_per_program, _cdiv(rows, rows_per_program)
+    return col_blocks, rows_per_program, _cdiv(rows, rows_per_program)
 
 
 def triton_backward(
@@ -1083,9 +1112,7 @@ def triton_backward(
             _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
         return dx, None, None
     plan = _backward_plan(v, F, x.element_size())
-    block_m, block_n = plan[0], plan[1]
-    col_blocks = _cdiv(F, block_n)
-    rows_per_program, row_programs = _row_programs(v, rows, block_m, col_blocks)
+    col_blocks, rows_per_program, row_programs = _row_split(v, rows, F, plan, x.element_size())
     dbias_part = None
     if v.has_bias:
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)

@@ -80,7 +80,7 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 
     # 4 programs over the column blocks: 2 row programs per column block for the non-gated
     # kernel (2 blocks), 1 for the gated one (3 blocks), each looping over several row blocks.
-    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU"):
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_PROBS_NARROW"):
         monkeypatch.setattr(triton_kernels, constant, 4)
     for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # unweighted: 2 rows per block at 128 columns
         monkeypatch.setattr(triton_kernels, constant, 256)
@@ -142,6 +142,38 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
     assert (plan[0], plan[2].get("maxnreg")) == (1, None)
 
 
+@pytest.mark.parametrize(
+    "name,has_probs,dtype,ffn,constant",
+    [
+        ("squared_relu", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
+        ("squared_relu", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
+        ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_GLU"),
+        # The weighted 16-bit GLUs' one-row plan (512-column blocks) has its own count; the
+        # two-row plan at 1024-column blocks and float32 keep the general one.
+        ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
+        ("situ_glu", True, torch.float16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
+        ("swiglu_clamp", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS"),
+        ("swiglu_clamp", True, torch.float32, 1536, "_BIAS_PROGRAMS"),
+    ],
+)
+def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monkeypatch):
+    """Which constant sets the backward's program count with a bias, and that it reaches the
+    row split: 6 programs over 3 column blocks give each 2 ranges of 300 one-row blocks."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
+    plan = triton_kernels._backward_plan(variant, ffn, itemsize)
+    expected = getattr(triton_kernels, constant)
+    assert triton_kernels._bias_programs(variant, plan[1], itemsize) == expected
+    monkeypatch.setattr(triton_kernels, constant, 6)
+    col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
+        variant, 600 * plan[0], ffn, plan, itemsize
+    )
+    assert col_blocks == 3 and row_programs == 2
+    assert rows_per_program == 300 * plan[0]
+
+
 @pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu"])
 def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(name, device, monkeypatch):
@@ -152,7 +184,10 @@ def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(name, device, mo
 
     monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 3)
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
-    assert triton_kernels._backward_plan(variant, 1024, 2)[0] == 2
+    plan = triton_kernels._backward_plan(variant, 1024, 2)
+    assert plan[0] == 2
+    # 10 trips of two rows over 3 programs: 8 rows (4 trips) each, the last program 3 rows.
+    assert triton_kernels._row_split(variant, 19, 1024, plan, 2) == (1, 8, 3)
     with use_kernel_backend("triton"):
         for spec in (SPECS[name], dataclasses.replace(SPECS[name], glu_interleave_size=32)):
             check_against_reference(
@@ -209,7 +244,7 @@ def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkey
     # a non-gated forward runs the flat kernel, which has no tiles); with 12 bias programs, four
     # row programs in the backward, each looping over several row blocks (8 rows for a GLU, 2 for
     # the non-gated kind at a 256-element tile, 1 with probabilities).
-    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU"):
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_PROBS_NARROW"):
         monkeypatch.setattr(tk, constant, 12)
     monkeypatch.setattr(tk, "_BWD_TILE", 256)
     rows = 75

@@ -1,4 +1,4 @@
-"""The side-by-side benchmark's batch sizes (the timing itself needs a GPU)."""
+"""The side-by-side benchmark's batch sizes and row filters (the timing itself needs a GPU)."""
 
 from tools.benchmark_activations import batch_calls
 
@@ -30,3 +30,29 @@ def test_markdown_marks_bias_rows_and_reads_rows_without_the_field():
     assert lines[0].split("|")[4:6] == [" probs ", " bias "]
     assert [line.split("|")[4:6] for line in lines[2:]] == [[" yes ", " yes "], [" yes ", "  "]]
     assert "1.500 (1.50) / 3.000 (1.50)" in lines[2]
+
+
+def test_row_filters_select_by_spec_width_rows_and_dtype():
+    """``--spec``, ``--h``, ``--t`` and ``--dtype`` each narrow the suite; together they all
+    apply, and an absent filter keeps every row."""
+    import argparse
+
+    import torch
+
+    from tools.benchmark_activations import configurations, selected
+
+    def rows(**filters):
+        args = argparse.Namespace(**({"spec": None, "h": None, "t": None, "dtype": None} | filters))
+        return [
+            (name, T, H, dtype)
+            for name, _, T, H, dtype, _, _ in configurations("full")
+            if selected(args, name, T, H, dtype)
+        ]
+
+    everything = rows()
+    assert len(everything) == len(list(configurations("full")))
+    assert {T for _, T, _, _ in rows(t=[65536])} == {65536}
+    assert {H for _, T, H, _ in rows(t=[65536])} == {1024, 1536, 2880, 8192, 16384}
+    picked = rows(spec=["GELU"], h=[1536], t=[65536], dtype=["bfloat16"])
+    assert picked == [("GELU", 65536, 1536, torch.bfloat16)]
+    assert rows(t=[65536], h=[2048]) == []  # 4096 x 2048 is the only H = 2048 shape
