@@ -708,8 +708,9 @@ _BIAS_PROGRAMS_GLU = 4096
 # backward / copy floor, 65536 x 1536, 1024 -> 1056 programs (docs/performance.md, session 13,
 # runs 54-55): clamped SwiGLU 1.317 -> 1.294, SiTU-GLU(4,25) 1.412 -> 1.388, every GLU kind
 # 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48. The two-row plan
-# at 1024-column blocks keeps _BIAS_PROGRAMS: there 1056 moved the kinds by -0.06 to +0.13
-# (16384 x 8192) and 1188 by -0.03 to +0.12, following each kind's register count.
+# at 1024-column blocks keeps _BIAS_PROGRAMS: there other counts moved the kinds by -0.09 to
+# +0.13 (runs 55-56), mostly through the rows per program, whose divisibility by 16 Triton
+# specialises the kernel on (SASS differs; 1024 programs give 128 or 512 rows at F = 8192).
 _BIAS_PROGRAMS_PROBS_NARROW = 1056
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
