@@ -793,9 +793,15 @@ def _forward_plan(v, F, itemsize: int):
     return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
 
 
+def _has_probs_bias_plan(v, itemsize: int) -> bool:
+    # The weighted 16-bit GLU backward with a bias has a plan (_probs_bias_backward_plan) and, at
+    # narrow column blocks, a program count (_bias_programs) of its own.
+    return v.gated and v.has_probs and v.has_bias and itemsize <= 2
+
+
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
-    if v.has_probs and v.has_bias and v.gated and itemsize <= 2:
+    if _has_probs_bias_plan(v, itemsize):
         return _probs_bias_backward_plan(
             v,
             F,
@@ -1071,7 +1077,7 @@ def _bias_programs(v, block_n: int, itemsize: int) -> int:
         return _BIAS_PROGRAMS
     if not v.has_probs:
         return _BIAS_PROGRAMS_GLU
-    if itemsize <= 2 and block_n < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
+    if _has_probs_bias_plan(v, itemsize) and block_n < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
         return _BIAS_PROGRAMS_PROBS_NARROW
     return _BIAS_PROGRAMS
 
