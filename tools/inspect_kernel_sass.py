@@ -68,17 +68,31 @@ def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool, kernels
 
 
 def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: dict, arch: int):
-    """Compiles ``kernel`` at ``plan`` for ``sm_{arch}``; returns Triton's compiled kernel.
-
-    Absent inputs are ``None`` constexprs, as Triton specialises a launch with ``None``; present
-    pointers, and the integers of ``ints`` (name -> value) that are multiples of 16, carry
-    Triton's divisibility hint, as at a real launch of contiguous tensors from the caching
-    allocator (without it a masked load of 16-bit values is not vectorised).
-    """
+    """Compiles ``kernel`` at ``plan`` for ``sm_{arch}``; returns Triton's compiled kernel
+    (``launch_signature`` says with what)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    signature, constants, attrs, options = launch_signature(
+        kernel, plan, dtype, has_bias, has_probs, ints
+    )
+    source = ASTSource(kernel, signature, constants, attrs)
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(source, target=target, options=options)
+
+
+def launch_signature(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: dict):
+    """``(signature, constants, attributes, options)`` that Triton would compile ``kernel`` with
+    at a launch under ``plan``.
+
+    Absent inputs are ``None`` constexprs, as Triton specialises a launch with ``None``; present
+    pointers, and the integers of ``ints`` (name -> value) that are multiples of 16, carry
+    Triton's divisibility hint, as at a real launch of contiguous tensors from the caching
+    allocator (without it a masked load of 16-bit values is not vectorised); an integer equal to
+    1 becomes the constant 1. Both follow the kernel's ``do_not_specialize`` and
+    ``do_not_specialize_on_alignment`` lists, as a launch does.
+    """
     constants = dict(plan[2])
     # Launch options, as Triton takes them from a launch's keyword arguments.
     options = {name: constants.pop(name) for name in ("num_warps", "maxnreg") if name in constants}
@@ -96,13 +110,25 @@ def compile_kernel(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints: d
         elif name.endswith("_ptr"):
             signature[name] = _TRITON_TYPES[dtype] if name in _DATA_POINTERS else "*fp32"
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints.get(name) == 1 and not _unspecialised(kernel, i, name, "do_not_specialize"):
+            # Triton compiles an integer argument equal to 1 as the constant 1.
+            signature[name], constants[name] = "constexpr", 1
         else:
             signature[name] = "i32"
-            if ints.get(name, 1) % 16 == 0:
+            hinted = not any(
+                _unspecialised(kernel, i, name, opt)
+                for opt in ("do_not_specialize", "do_not_specialize_on_alignment")
+            )
+            if hinted and ints.get(name, 1) % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constants, attrs)
-    target = GPUTarget("cuda", arch, 32)
-    return triton.compile(source, target=target, options=options)
+    return signature, constants, attrs, options
+
+
+def _unspecialised(kernel, index: int, name: str, option: str) -> bool:
+    # Whether ``kernel``'s ``@triton.jit(option=[...])`` names the argument (by name or index);
+    # under TRITON_INTERPRET=1 the kernel is an interpreted function that keeps them in kwargs.
+    listed = getattr(kernel, option, None) or getattr(kernel, "kwargs", {}).get(option) or ()
+    return name in listed or index in listed
 
 
 def _cuobjdump(*args: str) -> str:
@@ -219,7 +245,7 @@ def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward, kernels)
     # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
     ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
-    if plan[1] is not None:  # a tiled kernel
+    if backward and plan[1] is not None:  # the tiled backward kernel
         if hasattr(kernels, "_row_split"):
             rows_per_program = kernels._row_split(v, args.rows, args.ffn, plan, dtype.itemsize)[1]
         else:  # a revision before session 13

@@ -75,6 +75,9 @@ _HAS_PTX = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
 # result changes only where it is itself below about 1e-35 (the largest factor on an underflowed
 # exponential is GELU-tanh's derivative near x = -10, about 230).
 _LOG2_E = tl.constexpr(math.log2(math.e))
+# The divisibility Triton's hints speak of (16 elements): the backward's rows per program, when
+# its plan keeps them aligned (ROWS_ALIGNED), are a multiple of this.
+_ROWS_ALIGNMENT = tl.constexpr(16)
 
 
 @triton.jit
@@ -494,7 +497,10 @@ def _bwd_loads(
     return g, gate, lin, p
 
 
-@triton.jit
+# rows_per_program is not specialised: by default Triton compiles an integer argument that is a
+# multiple of 16 with a divisibility hint, so the row split's arithmetic alone would pick one of
+# two machine codes, and which one is faster depends on the kind (ROWS_ALIGNED says when to hint).
+@triton.jit(do_not_specialize=["rows_per_program"])
 def _activation_bwd_kernel(
     grad_ptr,
     x_ptr,
@@ -517,6 +523,7 @@ def _activation_bwd_kernel(
     INTERLEAVE: tl.constexpr,
     FAST_DIV: tl.constexpr,
     COLUMNS_FASTEST: tl.constexpr,
+    ROWS_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -551,7 +558,7 @@ def _activation_bwd_kernel(
                 acc_l = tl.zeros((BLOCK_N,), tl.float32)
             else:
                 acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    # Without a bias rows_per_program == BLOCK_M (one trip); with one, each program walks a fixed
+    # Without a bias a program takes one row block (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling. That loop loads
     # each trip's inputs one trip ahead (the loads are masked to the program's rows, so nothing
     # past them is read): loading, computing and storing in turn left memory idle while a
@@ -559,15 +566,21 @@ def _activation_bwd_kernel(
     # backward with bias / copy floor, before -> after (docs/performance.md, run 34): bf16
     # SwiGLU(clamp=7) 1.27 -> 1.24 at 65536 x 1536, weighted 1.56 -> 1.38 at 65536 x 1536 and
     # 1.63 -> 1.35 at 16384 x 8192, fp32 weighted 1.49 -> 1.09.
-    row_base = pid_m * rows_per_program
+    if HAS_BIAS:
+        span = rows_per_program
+        if ROWS_ALIGNED:
+            span = tl.multiple_of(span, _ROWS_ALIGNMENT)  # the plan rounds it so (_row_split)
+    else:
+        span = BLOCK_M
+    row_base = pid_m * span
     columns = (cols, col_ok, gcol, lcol)
     if HAS_BIAS:
-        row_end = tl.minimum(rows, row_base + rows_per_program)
+        row_end = tl.minimum(rows, row_base + span)
         row = row_base + tl.arange(0, BLOCK_M)
         ahead = _bwd_loads(
             grad_ptr, x_ptr, probs_ptr, row, row < row_end, columns, F, GATED, HAS_PROBS
         )
-    for m in range(0, rows_per_program, BLOCK_M):
+    for m in range(0, span, BLOCK_M):
         row = row_base + m + tl.arange(0, BLOCK_M)
         row_ok = row < rows
         mask = row_ok[:, None] & col_ok[None, :]
@@ -707,11 +720,22 @@ _BIAS_PROGRAMS_GLU = 4096
 # the single wave is full, where 1024 left a quarter of the SMs a program short. H200, bf16, raw
 # backward / copy floor, 65536 x 1536, 1024 -> 1056 programs (docs/performance.md, session 13,
 # runs 54-55): clamped SwiGLU 1.317 -> 1.294, SiTU-GLU(4,25) 1.412 -> 1.388, every GLU kind
-# 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48. The two-row plan
-# at 1024-column blocks keeps _BIAS_PROGRAMS: there other counts moved the kinds by -0.09 to
-# +0.13 (runs 55-56), mostly through the rows per program, whose divisibility by 16 Triton
-# specialises the kernel on (SASS differs; 1024 programs give 128 or 512 rows at F = 8192).
+# 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48.
 _BIAS_PROGRAMS_PROBS_NARROW = 1056
+# The two-row plan at 1024-column blocks runs one full wave as well: an SM holds 3 of its
+# uncapped programs (up to 168 registers a thread, 4 warps) or 4 under the register cap of 128,
+# so 396 = 3 x 132 and 528 = 4 x 132 programs. Kinds that bound the linear half (a clamp, a
+# tanh) keep their rows per program a multiple of 16 and compile knowing it (ROWS_ALIGNED,
+# _probs_bias_backward_plan); the others do not. H200, bf16, raw backward / the bias-only
+# backward, 1024 programs with Triton's default specialisation -> this (docs/performance.md,
+# session 14, runs 57-59): at 16384 x 2880 (gpt-oss) clamped SwiGLU 1.21 -> 1.04, quick-GEGLU
+# 1.12 -> 1.02, SwiGLU 1.09 -> 1.03, ReGLU 1.07 -> 1.02; at 16384 x 8192 SiTU-GLU(4) 1.05 ->
+# 0.99. Two to four waves ran slower nearly everywhere, and each group lost up to 0.1 with the
+# other group's alignment.
+_BIAS_PROGRAMS_PROBS_WIDE = 396
+_BIAS_PROGRAMS_PROBS_WIDE_CAPPED = 528
+# Whether the other backward plans with a bias keep their rows per program aligned (see above).
+_BIAS_ROWS_ALIGNED = False
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -758,12 +782,16 @@ def _plan(
     fast_div: bool,
     columns_fastest: bool,
     max_registers: Optional[int] = None,
+    rows_aligned: Optional[bool] = None,
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
     MoE experts make (the arguments after ``v`` and ``F`` are the module constants, the division
     choice and the program order, so a changed constant gets a fresh plan). ``max_registers``
-    caps the registers per thread (Triton's ``maxnreg``; NVIDIA only, other backends ignore it)."""
+    caps the registers per thread (Triton's ``maxnreg``; NVIDIA only, other backends ignore it).
+    ``rows_aligned`` is None for the forward kernel's plan; for the backward kernel's it says
+    whether the rows per program of a call with a bias are kept a multiple of
+    ``_ROWS_ALIGNMENT`` and the kernel compiled knowing it (``ROWS_ALIGNED``)."""
     block_n = _block_n(F, max_block_n)
     block_m = max(1, tile // block_n)
     kwargs = dict(
@@ -781,10 +809,14 @@ def _plan(
         BLOCK_N=block_n,
         num_warps=warps,
     )
+    kernel = _activation_fwd_kernel
+    if rows_aligned is not None:
+        kernel = _activation_bwd_kernel
+        kwargs["ROWS_ALIGNED"] = rows_aligned
     if max_registers is not None:
         kwargs["maxnreg"] = max_registers
-    params = [name for name in _activation_fwd_kernel.arg_names if name in kwargs]
-    assert params == [name for name in _activation_bwd_kernel.arg_names if name in kwargs]
+    params = [name for name in kernel.arg_names if name in kwargs]
+    assert len(params) == len(kwargs) - 1 - (max_registers is not None)  # all but the options
     return block_m, block_n, kwargs, tuple(kwargs[name] for name in params)
 
 
@@ -825,14 +857,31 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_PROBS_MAX_REGISTERS,
             fast_div,
             _COLUMNS_FASTEST,
+            _BIAS_ROWS_ALIGNED,
         )
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
         # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
         return _plan(
-            v, F, _BWD_TILE_ROW, _BWD_WARPS_ROW, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST
+            v,
+            F,
+            _BWD_TILE_ROW,
+            _BWD_WARPS_ROW,
+            _BWD_MAX_BLOCK_N,
+            fast_div,
+            _COLUMNS_FASTEST,
+            rows_aligned=_BIAS_ROWS_ALIGNED,
         )
-    return _plan(v, F, _BWD_TILE, _BWD_WARPS, _BWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
+    return _plan(
+        v,
+        F,
+        _BWD_TILE,
+        _BWD_WARPS,
+        _BWD_MAX_BLOCK_N,
+        fast_div,
+        _COLUMNS_FASTEST,
+        rows_aligned=_BIAS_ROWS_ALIGNED,
+    )
 
 
 @functools.cache
@@ -872,12 +921,15 @@ def _probs_bias_backward_plan(
         rows = two_row_rows
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
         cap = max_registers if heavy else None
+        # Kinds that bound the linear half (a clamp, a tanh) ran faster with aligned rows.
+        aligned = v.clamp or v.linear_tanh
     else:
         rows = 1
         cap = narrow_max_registers
+        aligned = False
     # Columns per warp scale with the rows, so the warps split only the columns.
     return _probs_backward_plan(
-        v, F, rows, max_block_n, columns_per_warp * rows, cap, fast_div, columns_fastest
+        v, F, rows, max_block_n, columns_per_warp * rows, cap, fast_div, columns_fastest, aligned
     )
 
 
@@ -901,6 +953,7 @@ def _probs_backward_plan(
     max_registers: Optional[int],
     fast_div: bool,
     columns_fastest: bool,
+    rows_aligned: bool = False,
 ):
     """``rows`` rows of one column block per program, ``columns_per_warp`` columns of it per
     warp, for the backward with probabilities.
@@ -921,7 +974,9 @@ def _probs_backward_plan(
     block_n = _block_n(F, max_block_n)
     warps = max(1, rows * block_n // columns_per_warp)
     tile = rows * block_n
-    return _plan(v, F, tile, warps, max_block_n, fast_div, columns_fastest, max_registers)
+    return _plan(
+        v, F, tile, warps, max_block_n, fast_div, columns_fastest, max_registers, rows_aligned
+    )
 
 
 def _tile_grid(row_blocks: int, col_blocks: int, plan) -> tuple[int, int, int]:
@@ -1071,15 +1126,20 @@ def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
         _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
 
 
-def _bias_programs(v, block_n: int, itemsize: int) -> int:
-    """Programs in total of the backward with a bias (``v.has_bias``), over all column blocks."""
+def _bias_programs(v, plan, itemsize: int) -> int:
+    """Programs in total of the backward with a bias (``v.has_bias``) under ``plan``, over all
+    column blocks."""
     if not v.gated:
         return _BIAS_PROGRAMS
     if not v.has_probs:
         return _BIAS_PROGRAMS_GLU
-    if _has_probs_bias_plan(v, itemsize) and block_n < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
+    if not _has_probs_bias_plan(v, itemsize):
+        return _BIAS_PROGRAMS
+    if plan[1] < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
         return _BIAS_PROGRAMS_PROBS_NARROW
-    return _BIAS_PROGRAMS
+    if "maxnreg" in plan[2]:
+        return _BIAS_PROGRAMS_PROBS_WIDE_CAPPED
+    return _BIAS_PROGRAMS_PROBS_WIDE
 
 
 def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int]:
@@ -1091,9 +1151,14 @@ def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int
     row_blocks = _cdiv(rows, block_m)
     if not v.has_bias:
         return col_blocks, block_m, row_blocks
-    programs = _bias_programs(v, block_n, itemsize)
+    programs = _bias_programs(v, plan, itemsize)
     row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
+    if plan[2]["ROWS_ALIGNED"]:
+        # Rounded up (never more programs than the count above) and still a multiple of the
+        # power-of-two BLOCK_M: a program's last trip must not reach into the next one's rows.
+        alignment = max(_ROWS_ALIGNMENT.value, block_m)
+        rows_per_program = alignment * _cdiv(rows_per_program, alignment)
     return col_blocks, rows_per_program, _cdiv(rows, rows_per_program)
 
 

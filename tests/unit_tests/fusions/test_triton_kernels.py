@@ -148,50 +148,132 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
         ("squared_relu", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
         ("squared_relu", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
         ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_GLU"),
-        # The weighted 16-bit GLUs' one-row plan (512-column blocks) has its own count; the
-        # two-row plan at 1024-column blocks and float32 keep the general one.
+        # The weighted 16-bit GLUs' plans have counts of their own: the one-row plan at
+        # 512-column blocks, the two-row plan at 1024-column blocks with and without the
+        # register cap (SiTU-GLU and the GELUs take it). float32 keeps the general count.
         ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
         ("situ_glu", True, torch.float16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
-        ("swiglu_clamp", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS"),
+        ("swiglu_clamp", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
+        ("reglu", True, torch.float16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
+        ("situ_glu", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"),
+        ("geglu", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"),
         ("swiglu_clamp", True, torch.float32, 1536, "_BIAS_PROGRAMS"),
     ],
 )
 def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monkeypatch):
     """Which constant sets the backward's program count with a bias, and that it reaches the
-    row split: 6 programs over 3 column blocks give each 2 ranges of 300 one-row blocks."""
+    row split: 6 programs over 3 column blocks give each 2 ranges of 320 row blocks (a multiple
+    of 16 rows, so an aligned plan keeps the count)."""
     from mcore_activations.fusions import triton_kernels
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
     expected = getattr(triton_kernels, constant)
-    assert triton_kernels._bias_programs(variant, plan[1], itemsize) == expected
+    assert triton_kernels._bias_programs(variant, plan, itemsize) == expected
     monkeypatch.setattr(triton_kernels, constant, 6)
     col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
-        variant, 600 * plan[0], ffn, plan, itemsize
+        variant, 640 * plan[0], ffn, plan, itemsize
     )
     assert col_blocks == 3 and row_programs == 2
-    assert rows_per_program == 300 * plan[0]
+    assert rows_per_program == 320 * plan[0]
+
+
+@pytest.mark.parametrize(
+    "name,has_probs,dtype,ffn,aligned",
+    [
+        # The two-row plan: kinds that bound the linear half (a clamp, a linear tanh) align.
+        ("swiglu_clamp", True, torch.bfloat16, 8192, True),
+        ("quick_geglu_gpt_oss", True, torch.float16, 8192, True),
+        ("situ_glu", True, torch.bfloat16, 8192, True),
+        ("swiglu", True, torch.bfloat16, 8192, False),
+        ("reglu", True, torch.bfloat16, 8192, False),
+        ("geglu", True, torch.bfloat16, 8192, False),
+        ("situ_glu_gate_only", True, torch.bfloat16, 8192, False),
+        # Every other plan follows _BIAS_ROWS_ALIGNED (off): the one-row plan at 512-column
+        # blocks, float32, the unweighted GLU and non-gated plans.
+        ("swiglu_clamp", True, torch.bfloat16, 1536, False),
+        ("swiglu_clamp", True, torch.float32, 8192, False),
+        ("swiglu_clamp", False, torch.bfloat16, 8192, False),
+        ("squared_relu", False, torch.bfloat16, 8192, False),
+        ("squared_relu", True, torch.bfloat16, 8192, False),
+    ],
+)
+def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypatch):
+    """Which backward plans keep the rows per program a multiple of 16 (``ROWS_ALIGNED``), and
+    the row split that follows: rounded up to it (never more programs than the count), still a
+    multiple of the tile's rows; unaligned plans split the row blocks evenly."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
+    plan = triton_kernels._backward_plan(variant, ffn, itemsize)
+    assert plan[2]["ROWS_ALIGNED"] is aligned
+    programs = triton_kernels._bias_programs(variant, plan, itemsize)
+    rows = 16384 + 6  # an odd count of row blocks
+    col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
+        variant, rows, ffn, plan, itemsize
+    )
+    block_m = plan[0]
+    row_blocks = math.ceil(rows / block_m)
+    even = block_m * math.ceil(row_blocks / (programs // col_blocks))
+    assert rows_per_program == (16 * math.ceil(even / 16) if aligned else even)
+    assert rows_per_program % block_m == 0
+    assert row_programs == -(-rows // rows_per_program)
+    assert row_programs * col_blocks <= programs
+    if aligned:
+        assert rows_per_program % 16 == 0
+
+
+def test_aligned_rows_keep_whole_tiles(monkeypatch):
+    """Aligned rows per program with a tile taller than 16 rows (a non-gated plan at 128 columns
+    holds 32 rows): rounded to a multiple of the tile, so no program's last trip reaches into the
+    next program's rows."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_ROWS_ALIGNED", True)
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 5)
+    variant = KernelVariant.of(SPECS["squared_relu"], has_bias=True, has_probs=False)
+    plan = triton_kernels._backward_plan(variant, 128, 2)
+    assert plan[0] == 32 and plan[2]["ROWS_ALIGNED"] is True
+    # 10 row blocks over 5 programs: 2 blocks (64 rows) each, already a multiple of 32 and 16.
+    assert triton_kernels._row_split(variant, 320, 128, plan, 2) == (1, 64, 5)
+    # 3 row blocks over 5 programs: one block each, 32 rows (not 16).
+    assert triton_kernels._row_split(variant, 70, 128, plan, 2) == (1, 32, 3)
 
 
 @pytest.mark.parametrize("device", BOTH)
-@pytest.mark.parametrize("name", ["swiglu_clamp", "situ_glu"])
-def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(name, device, monkeypatch):
+@pytest.mark.parametrize(
+    "name,rows,split",
+    [
+        # Aligned rows (a clamp): 25 trips of two rows over 3 programs would be 18 rows each;
+        # rounded to 32, two programs, the second 18 rows, its last trip full.
+        ("swiglu_clamp", 50, (1, 32, 2)),
+        ("swiglu_clamp", 19, (1, 16, 2)),  # 16 rows, then 3: the last trip half empty
+        # Unaligned (SwiGLU): 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
+        ("swiglu", 19, (1, 8, 3)),
+        ("situ_glu_gate_only", 19, (1, 8, 3)),
+    ],
+)
+def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(
+    name, rows, split, device, monkeypatch
+):
     """The 16-bit weighted backward with a bias at a 1024-column block: two rows per trip, the
-    bias gradient summed over each trip's rows inside the thread. 19 rows over 3 programs, each
-    looping over several trips, the last trip half empty; bf16 and the interleaved layout."""
+    bias gradient summed over each trip's rows inside the thread, several programs each looping
+    over several trips, aligned and unaligned rows per program; bf16 and the interleaved
+    layout."""
     from mcore_activations.fusions import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS", 3)
+    for constant in ("_BIAS_PROGRAMS_PROBS_WIDE", "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"):
+        monkeypatch.setattr(triton_kernels, constant, 3)
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
     plan = triton_kernels._backward_plan(variant, 1024, 2)
     assert plan[0] == 2
-    # 10 trips of two rows over 3 programs: 8 rows (4 trips) each, the last program 3 rows.
-    assert triton_kernels._row_split(variant, 19, 1024, plan, 2) == (1, 8, 3)
+    assert triton_kernels._row_split(variant, rows, 1024, plan, 2) == split
     with use_kernel_backend("triton"):
         for spec in (SPECS[name], dataclasses.replace(SPECS[name], glu_interleave_size=32)):
             check_against_reference(
-                spec, torch.bfloat16, True, True, device=device, rows=19, ffn=1024
+                spec, torch.bfloat16, True, True, device=device, rows=rows, ffn=1024
             )
 
 

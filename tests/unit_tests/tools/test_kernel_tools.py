@@ -16,7 +16,7 @@ from tools.benchmark_kernel_ab import (
     parse_shape,
     parse_variant,
 )
-from tools.inspect_kernel_sass import elements_per_thread, parse_report
+from tools.inspect_kernel_sass import elements_per_thread, launch_signature, parse_report
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -52,6 +52,39 @@ def test_elements_per_thread_of_tiled_and_flat_plans():
     # A 1 x 1024 tile over 4 warps, and a flat block of 2048 over 4 warps.
     assert elements_per_thread((1, 1024, {"num_warps": 4}, ())) == 8
     assert elements_per_thread((2048, None, {"num_warps": 4}, ())) == 16
+
+
+def test_launch_signature_specialises_integers_as_a_launch_does():
+    """Integers as Triton specialises them at a launch: 1 becomes the constant 1, a multiple of
+    16 carries the divisibility hint, except where the kernel opts out (the backward's
+    ``rows_per_program``: ``do_not_specialize``)."""
+    import torch
+
+    from mcore_activations.fusions import activation_kernels as ak
+    from mcore_activations.fusions import triton_kernels as tk
+
+    spec = ak.ActivationSpec(ak.ActivationKind.SILU, gated=True, clamp_value=7.0)
+    v = ak.KernelVariant.of(spec, has_bias=True, has_probs=True)
+    names = tk._activation_bwd_kernel.arg_names
+    plan = tk._backward_plan(v, 8192, 2)
+    for rows_per_program in (1, 128):
+        ints = {"rows": 1, "F": 8192, "rows_per_program": rows_per_program}
+        signature, constants, attrs, options = launch_signature(
+            tk._activation_bwd_kernel, plan, torch.bfloat16, True, True, ints
+        )
+        assert signature["rows"] == "constexpr" and constants["rows"] == 1
+        assert signature["F"] == "i32" and attrs[(names.index("F"),)] == [["tt.divisibility", 16]]
+        assert signature["rows_per_program"] == "i32"
+        assert (names.index("rows_per_program"),) not in attrs
+        assert signature["ROWS_ALIGNED"] == "constexpr" and constants["ROWS_ALIGNED"] is True
+        assert options == {"num_warps": plan[2]["num_warps"]}
+    forward = tk._forward_plan(v, 8192, 2)
+    signature, constants, attrs, _ = launch_signature(
+        tk._activation_fwd_kernel, forward, torch.bfloat16, False, False, {"rows": 48, "F": 7}
+    )
+    rows = (tk._activation_fwd_kernel.arg_names.index("rows"),)
+    assert signature["rows"] == "i32" and attrs[rows] == [["tt.divisibility", 16]]
+    assert signature["F"] == "i32" and signature["bias_ptr"] == "constexpr"
 
 
 def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
