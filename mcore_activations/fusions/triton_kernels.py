@@ -569,7 +569,9 @@ def _activation_bwd_kernel(
     if HAS_BIAS:
         span = rows_per_program
         if ROWS_ALIGNED:
-            span = tl.multiple_of(span, _ROWS_ALIGNMENT)  # the plan rounds it so (_row_split)
+            # The plan rounds it to a multiple (_row_split), so this changes no value; written
+            # as a product it tells the compiler (tl.multiple_of cannot mark an argument).
+            span = (span // _ROWS_ALIGNMENT) * _ROWS_ALIGNMENT
     else:
         span = BLOCK_M
     row_base = pid_m * span
