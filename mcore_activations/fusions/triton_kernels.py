@@ -736,7 +736,16 @@ _BIAS_PROGRAMS_PROBS_NARROW = 1056
 # other group's alignment.
 _BIAS_PROGRAMS_PROBS_WIDE = 396
 _BIAS_PROGRAMS_PROBS_WIDE_CAPPED = 528
-# Whether the other backward plans with a bias keep their rows per program aligned (see above).
+# The unweighted GLU backward with a bias keeps its rows per program aligned at column blocks at
+# least this wide. H200, raw backward / copy floor, aligned against not (docs/performance.md,
+# session 14, runs 61-62): at 1024-column blocks 0.00-0.15 faster for every kind and dtype
+# (bf16 GEGLU 1.513 -> 1.362 at 8192 x 5120, 1.277 -> 1.212 at 65536 x 2880; level at
+# 16384 x 8192, whose 32 rows per program were already a multiple of 16), at 512-column blocks
+# (F = 1536) 0.01-0.06 slower.
+_GLU_BIAS_ALIGNED_BLOCK_N = 1024
+# Whether the backward plans with a bias that have no rule of their own (non-gated kinds, the
+# general weighted plan: float32, non-gated) keep their rows aligned. Off: aligned, squared
+# ReLU and float32 moved by -0.10 to +0.08 (runs 60-61).
 _BIAS_ROWS_ALIGNED = False
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
@@ -872,7 +881,7 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_MAX_BLOCK_N,
             fast_div,
             _COLUMNS_FASTEST,
-            rows_aligned=_BIAS_ROWS_ALIGNED,
+            rows_aligned=v.has_bias and _block_n(F, _BWD_MAX_BLOCK_N) >= _GLU_BIAS_ALIGNED_BLOCK_N,
         )
     return _plan(
         v,

@@ -190,11 +190,15 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
         ("reglu", True, torch.bfloat16, 8192, False),
         ("geglu", True, torch.bfloat16, 8192, False),
         ("situ_glu_gate_only", True, torch.bfloat16, 8192, False),
-        # Every other plan follows _BIAS_ROWS_ALIGNED (off): the one-row plan at 512-column
-        # blocks, float32, the unweighted GLU and non-gated plans.
+        # The weighted one-row plan at 512-column blocks does not.
         ("swiglu_clamp", True, torch.bfloat16, 1536, False),
+        # The unweighted GLU plan aligns at 1024-column blocks (_GLU_BIAS_ALIGNED_BLOCK_N), in
+        # every dtype, and not at 512 (F = 1536).
+        ("swiglu_clamp", False, torch.bfloat16, 8192, True),
+        ("swiglu", False, torch.float32, 2880, True),
+        ("situ_glu", False, torch.float16, 1536, False),
+        # The rest follows _BIAS_ROWS_ALIGNED (off): float32 weighted, non-gated kinds.
         ("swiglu_clamp", True, torch.float32, 8192, False),
-        ("swiglu_clamp", False, torch.bfloat16, 8192, False),
         ("squared_relu", False, torch.bfloat16, 8192, False),
         ("squared_relu", True, torch.bfloat16, 8192, False),
     ],
@@ -275,6 +279,26 @@ def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(
             check_against_reference(
                 spec, torch.bfloat16, True, True, device=device, rows=rows, ffn=1024
             )
+
+
+@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_triton_unweighted_glu_backward_with_aligned_rows(dtype, device, monkeypatch):
+    """The unweighted GLU backward with a bias at a 1024-column block keeps its rows per
+    program a multiple of 16: 50 rows over 3 programs would be 17 each; aligned, two programs
+    of 32 and 18 rows, the second ending inside its range."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_GLU", 3)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=False)
+    plan = triton_kernels._backward_plan(variant, 1024, itemsize)
+    assert plan[2]["ROWS_ALIGNED"] is True
+    assert triton_kernels._row_split(variant, 50, 1024, plan, itemsize) == (1, 32, 2)
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS["swiglu_clamp"], dtype, True, False, device=device, rows=50, ffn=1024
+        )
 
 
 @pytest.mark.parametrize("rows", [0, 3, 6])
