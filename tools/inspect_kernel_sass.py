@@ -90,8 +90,21 @@ def launch_signature(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints:
     pointers, and the integers of ``ints`` (name -> value) that are multiples of 16, carry
     Triton's divisibility hint, as at a real launch of contiguous tensors from the caching
     allocator (without it a masked load of 16-bit values is not vectorised); an integer equal to
-    1 becomes the constant 1. Both follow the kernel's ``do_not_specialize`` and
-    ``do_not_specialize_on_alignment`` lists, as a launch does.
+    1 becomes the constant 1, one of 2**31 or more an ``i64``. As at a launch, an argument the
+    kernel lists in ``do_not_specialize`` gets neither the constant nor the hint, one listed in
+    ``do_not_specialize_on_alignment`` no hint.
+
+    Args:
+        kernel: the ``@triton.jit`` kernel.
+        plan: its launch plan (``triton_kernels``' ``(BLOCK_M, BLOCK_N, kwargs, values)``).
+        dtype: the dtype of the activation's tensors.
+        has_bias: whether a bias is passed (else its pointers are ``None``).
+        has_probs: whether probabilities are passed.
+        ints: the integer arguments' values at the launch, by name.
+
+    Returns:
+        ``(signature, constants, attributes, options)`` for ``triton.compiler.ASTSource`` and
+        ``triton.compile``.
     """
     constants = dict(plan[2])
     # Launch options, as Triton takes them from a launch's keyword arguments.
@@ -114,7 +127,7 @@ def launch_signature(kernel, plan, dtype, has_bias: bool, has_probs: bool, ints:
             # Triton compiles an integer argument equal to 1 as the constant 1.
             signature[name], constants[name] = "constexpr", 1
         else:
-            signature[name] = "i32"
+            signature[name] = "i64" if ints.get(name, 1) >= 2**31 else "i32"
             hinted = not any(
                 _unspecialised(kernel, i, name, opt)
                 for opt in ("do_not_specialize", "do_not_specialize_on_alignment")
@@ -243,10 +256,14 @@ def elements_per_thread(plan) -> int:
 
 def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward, kernels)
-    # The integers' values at a launch of [rows, F], for Triton's divisibility hint.
+    # The integers' values at a launch of [rows, F], for Triton's specialisation of them.
     ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
     if backward and plan[1] is not None:  # the tiled backward kernel
-        if hasattr(kernels, "_row_split"):
+        if hasattr(kernels, "_launch_split"):  # the plan a call of these rows launches
+            plan, _, rows_per_program, _ = kernels._launch_split(
+                v, args.rows, args.ffn, plan, dtype.itemsize
+            )
+        elif hasattr(kernels, "_row_split"):  # revisions of sessions 13-14
             rows_per_program = kernels._row_split(v, args.rows, args.ffn, plan, dtype.itemsize)[1]
         else:  # a revision before session 13
             col_blocks = -(-args.ffn // plan[1])

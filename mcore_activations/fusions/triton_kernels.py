@@ -75,9 +75,6 @@ _HAS_PTX = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
 # result changes only where it is itself below about 1e-35 (the largest factor on an underflowed
 # exponential is GELU-tanh's derivative near x = -10, about 230).
 _LOG2_E = tl.constexpr(math.log2(math.e))
-# The divisibility Triton's hints speak of (16 elements): the backward's rows per program, when
-# its plan keeps them aligned (ROWS_ALIGNED), are a multiple of this.
-_ROWS_ALIGNMENT = tl.constexpr(16)
 
 
 @triton.jit
@@ -498,8 +495,9 @@ def _bwd_loads(
 
 
 # rows_per_program is not specialised: by default Triton compiles an integer argument that is a
-# multiple of 16 with a divisibility hint, so the row split's arithmetic alone would pick one of
-# two machine codes, and which one is faster depends on the kind (ROWS_ALIGNED says when to hint).
+# multiple of 16 with a divisibility hint (and one equal to 1 as a constant), so the row split's
+# arithmetic alone would pick the machine code, and which code is faster depends on the kind.
+# The plan's ROWS_ALIGNED says when the split is a multiple of 16 and the kernel may know it.
 @triton.jit(do_not_specialize=["rows_per_program"])
 def _activation_bwd_kernel(
     grad_ptr,
@@ -724,29 +722,36 @@ _BIAS_PROGRAMS_GLU = 4096
 # runs 54-55): clamped SwiGLU 1.317 -> 1.294, SiTU-GLU(4,25) 1.412 -> 1.388, every GLU kind
 # 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48.
 _BIAS_PROGRAMS_PROBS_NARROW = 1056
-# The two-row plan at 1024-column blocks runs one full wave as well: an SM holds 3 of its
-# uncapped programs (up to 168 registers a thread, 4 warps) or 4 under the register cap of 128,
-# so 396 = 3 x 132 and 528 = 4 x 132 programs. Kinds that bound the linear half (a clamp, a
-# tanh) keep their rows per program a multiple of 16 and compile knowing it (ROWS_ALIGNED,
-# _probs_bias_backward_plan); the others do not. H200, bf16, raw backward / the bias-only
-# backward, 1024 programs with Triton's default specialisation -> this (docs/performance.md,
-# session 14, runs 57-59): at 16384 x 2880 (gpt-oss) clamped SwiGLU 1.21 -> 1.04, quick-GEGLU
-# 1.12 -> 1.02, SwiGLU 1.09 -> 1.03, ReGLU 1.07 -> 1.02; at 16384 x 8192 SiTU-GLU(4) 1.05 ->
-# 0.99. Two to four waves ran slower nearly everywhere, and each group lost up to 0.1 with the
-# other group's alignment.
+# The two-row plan at 1024-column blocks runs at most one wave as well: an SM holds 3 of its
+# uncapped programs (up to 168 registers a thread, 4 warps) or 4 under the register cap of 128
+# (_BWD_PROBS_BIAS_MAX_REGISTERS; another cap needs another count), so 396 = 3 x 132 and 528 =
+# 4 x 132 programs, fewer where aligned rows round the split up. Kinds that bound the linear
+# half (a clamp, a tanh) keep their rows per program a multiple of 16 and compile knowing it
+# (ROWS_ALIGNED, _probs_bias_backward_plan); the others do not. H200, bf16, raw backward /
+# the bias-only backward, 1024 programs with Triton's default specialisation -> this
+# (docs/performance.md, session 14, runs 57-61): at 16384 x 2880 (gpt-oss) clamped SwiGLU
+# 1.21 -> 0.99, quick-GEGLU 1.12 -> 1.02, SwiGLU 1.09 -> 1.03, ReGLU 1.07 -> 1.02; at
+# 16384 x 8192 SiTU-GLU(4) 1.05 -> 0.98. Two to four waves ran slower nearly everywhere, and
+# each group lost up to 0.1 with the other group's alignment.
 _BIAS_PROGRAMS_PROBS_WIDE = 396
 _BIAS_PROGRAMS_PROBS_WIDE_CAPPED = 528
 # The unweighted GLU backward with a bias keeps its rows per program aligned at column blocks at
 # least this wide. H200, raw backward / copy floor, aligned against not (docs/performance.md,
 # session 14, runs 61-62): at 1024-column blocks 0.00-0.15 faster for every kind and dtype
-# (bf16 GEGLU 1.513 -> 1.362 at 8192 x 5120, 1.277 -> 1.212 at 65536 x 2880; level at
-# 16384 x 8192, whose 32 rows per program were already a multiple of 16), at 512-column blocks
-# (F = 1536) 0.01-0.06 slower.
+# (bf16 GEGLU 1.513 -> 1.362 at 8192 x 5120, 1.277 -> 1.212 at 65536 x 2880; at 16384 x 8192,
+# whose 32 rows per program were already a multiple of 16, only GEGLU moved, 1.215 -> 1.186), at
+# 512-column blocks (F = 1536) 0.01-0.06 slower.
 _GLU_BIAS_ALIGNED_BLOCK_N = 1024
 # Whether the backward plans with a bias that have no rule of their own (non-gated kinds, the
 # general weighted plan: float32, non-gated) keep their rows aligned. Off: aligned, squared
-# ReLU and float32 moved by -0.10 to +0.08 (runs 60-61).
+# ReLU moved by -0.10 to +0.02 and the float32 weighted kernels by -0.02 to +0.13 (runs 60-61;
+# the latter with the rows rounded but the kernel not told, an earlier form of the alignment).
 _BIAS_ROWS_ALIGNED = False
+# The divisibility Triton's hints speak of: an aligned split (ROWS_ALIGNED) is a multiple of it.
+# Calls whose rows per program come out below half of it keep the split as it is, on the plan's
+# unaligned twin (_launch_split): rounding 1-7 rows up to 16 would leave a small call a few
+# long programs (192 instead of 3072 at 1024 x 2880), where 8-15 keep at least half of them.
+_ROWS_ALIGNMENT = tl.constexpr(16)
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -823,7 +828,7 @@ def _plan(
     kernel = _activation_fwd_kernel
     if rows_aligned is not None:
         kernel = _activation_bwd_kernel
-        kwargs["ROWS_ALIGNED"] = rows_aligned
+        kwargs["ROWS_ALIGNED"] = rows_aligned and v.has_bias  # only a bias splits the rows
     if max_registers is not None:
         kwargs["maxnreg"] = max_registers
     params = [name for name in kernel.arg_names if name in kwargs]
@@ -837,8 +842,8 @@ def _forward_plan(v, F, itemsize: int):
 
 
 def _has_probs_bias_plan(v, itemsize: int) -> bool:
-    # The weighted 16-bit GLU backward with a bias has a plan (_probs_bias_backward_plan) and, at
-    # narrow column blocks, a program count (_bias_programs) of its own.
+    # The weighted 16-bit GLU backward with a bias has a plan (_probs_bias_backward_plan) and
+    # program counts (_bias_programs) of its own.
     return v.gated and v.has_probs and v.has_bias and itemsize <= 2
 
 
@@ -881,7 +886,7 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_MAX_BLOCK_N,
             fast_div,
             _COLUMNS_FASTEST,
-            rows_aligned=v.has_bias and _block_n(F, _BWD_MAX_BLOCK_N) >= _GLU_BIAS_ALIGNED_BLOCK_N,
+            rows_aligned=_block_n(F, _BWD_MAX_BLOCK_N) >= _GLU_BIAS_ALIGNED_BLOCK_N,
         )
     return _plan(
         v,
@@ -1031,9 +1036,10 @@ class _Launcher:
     ``kernel[grid](...)`` re-derives Triton's specialisation key from every argument in Python on
     each call: about 20 of the 30 us a launch costs on the H200 host, where a small MoE expert's
     activation takes 10-20 us on the GPU. The first call of each specialisation goes through
-    Triton (compiling if needed) and keeps the compiled kernel under a key made of exactly what
-    Triton specialises on (device, the plan's compile-time values, each pointer's dtype and
-    alignment, each integer's value class); later calls with the same key launch that kernel.
+    Triton (compiling if needed) and keeps the compiled kernel under a key made of what Triton
+    specialises on (device, the plan's compile-time values, each pointer's dtype and alignment,
+    each integer's value class, or only its width where the kernel says ``do_not_specialize``);
+    later calls with the same key launch that kernel.
     ``MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH=0`` turns this off (every call goes through Triton).
     """
 
@@ -1165,12 +1171,35 @@ def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int
     programs = _bias_programs(v, plan, itemsize)
     row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
-    if plan[2]["ROWS_ALIGNED"]:
-        # Rounded up (never more programs than the count above) and still a multiple of the
-        # power-of-two BLOCK_M: a program's last trip must not reach into the next one's rows.
-        alignment = max(_ROWS_ALIGNMENT.value, block_m)
+    alignment = _ROWS_ALIGNMENT.value
+    if plan[2]["ROWS_ALIGNED"] and 2 * rows_per_program >= alignment:
+        # Rounded up: never more programs than the count above, at least half of them, and
+        # still a whole number of BLOCK_M-row trips (BLOCK_M is a power of two, so a multiple of
+        # it that is at least 16 is a multiple of 16, and rounding that up to 16 keeps it).
         rows_per_program = alignment * _cdiv(rows_per_program, alignment)
     return col_blocks, rows_per_program, _cdiv(rows, rows_per_program)
+
+
+_UNALIGNED_TWINS: dict = {}
+
+
+def _launch_split(v, rows: int, F: int, plan, itemsize: int):
+    """``(plan, column blocks, rows per program, programs per column block)`` that the tiled
+    backward launches: ``_row_split``'s split, and ``plan`` itself unless the plan is aligned
+    and the split is not (a call too small to round: ``_ROWS_ALIGNMENT``), which runs on the
+    plan's twin with ``ROWS_ALIGNED`` off. The kernel's aligned form reads the split as a
+    multiple of 16, so no other split may reach it."""
+    split = _row_split(v, rows, F, plan, itemsize)
+    if plan[2]["ROWS_ALIGNED"] and split[1] % _ROWS_ALIGNMENT.value:
+        key = (plan[0], plan[1], plan[3], plan[2]["num_warps"], plan[2].get("maxnreg"))
+        twin = _UNALIGNED_TWINS.get(key)
+        if twin is None:
+            kwargs = dict(plan[2], ROWS_ALIGNED=False)
+            names = [n for n in _activation_bwd_kernel.arg_names if n in kwargs]
+            twin = (plan[0], plan[1], kwargs, tuple(kwargs[n] for n in names))
+            _UNALIGNED_TWINS[key] = twin
+        plan = twin
+    return (plan, *split)
 
 
 def triton_backward(
@@ -1195,7 +1224,9 @@ def triton_backward(
             _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
         return dx, None, None
     plan = _backward_plan(v, F, x.element_size())
-    col_blocks, rows_per_program, row_programs = _row_split(v, rows, F, plan, x.element_size())
+    plan, col_blocks, rows_per_program, row_programs = _launch_split(
+        v, rows, F, plan, x.element_size()
+    )
     dbias_part = None
     if v.has_bias:
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)
@@ -1212,7 +1243,7 @@ def triton_backward(
         *(_ptr_key(t) for t in args[:8]),
         _int_key(rows),
         _int_key(F),
-        _int_key(rows_per_program),
+        rows_per_program >= 2**31,  # do_not_specialize: only its integer width matters
     )
     with _device_guard(x):
         _backward_launcher(_tile_grid(row_programs, col_blocks, plan), args, plan, key)

@@ -206,7 +206,8 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
 def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypatch):
     """Which backward plans keep the rows per program a multiple of 16 (``ROWS_ALIGNED``), and
     the row split that follows: rounded up to it (never more programs than the count), still a
-    multiple of the tile's rows; unaligned plans split the row blocks evenly."""
+    multiple of the tile's rows, unless it comes out below 8; unaligned plans split the row
+    blocks evenly."""
     from mcore_activations.fusions import triton_kernels
 
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -214,25 +215,29 @@ def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypat
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
     assert plan[2]["ROWS_ALIGNED"] is aligned
     programs = triton_kernels._bias_programs(variant, plan, itemsize)
-    rows = 16384 + 6  # an odd count of row blocks
+    rows = 16384 + 6  # not a multiple of any tile's rows
     col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
         variant, rows, ffn, plan, itemsize
     )
     block_m = plan[0]
     row_blocks = math.ceil(rows / block_m)
     even = block_m * math.ceil(row_blocks / (programs // col_blocks))
-    assert rows_per_program == (16 * math.ceil(even / 16) if aligned else even)
+    rounded = aligned and even >= 8  # smaller splits stay (the unaligned twin launches)
+    assert rows_per_program == (16 * math.ceil(even / 16) if rounded else even)
     assert rows_per_program % block_m == 0
     assert row_programs == -(-rows // rows_per_program)
     assert row_programs * col_blocks <= programs
-    if aligned:
+    launched = triton_kernels._launch_split(variant, rows, ffn, plan, itemsize)[0]
+    assert launched[2]["ROWS_ALIGNED"] is rounded
+    if rounded:
         assert rows_per_program % 16 == 0
 
 
-def test_aligned_rows_keep_whole_tiles(monkeypatch):
-    """Aligned rows per program with a tile taller than 16 rows (a non-gated plan at 128 columns
-    holds 32 rows): rounded to a multiple of the tile, so no program's last trip reaches into the
-    next program's rows."""
+@pytest.mark.parametrize("device", BOTH)
+def test_aligned_rows_with_a_tile_taller_than_16_rows(device, monkeypatch):
+    """Aligned rows per program where the tile holds 32 rows (a non-gated plan at 128 columns,
+    aligned by _BIAS_ROWS_ALIGNED): every split stays a whole number of tiles and a multiple of
+    16, and the kernel's aligned form computes the right gradients over several programs."""
     from mcore_activations.fusions import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "_BIAS_ROWS_ALIGNED", True)
@@ -240,10 +245,42 @@ def test_aligned_rows_keep_whole_tiles(monkeypatch):
     variant = KernelVariant.of(SPECS["squared_relu"], has_bias=True, has_probs=False)
     plan = triton_kernels._backward_plan(variant, 128, 2)
     assert plan[0] == 32 and plan[2]["ROWS_ALIGNED"] is True
-    # 10 row blocks over 5 programs: 2 blocks (64 rows) each, already a multiple of 32 and 16.
+    # 10 row blocks over 5 programs: 2 blocks (64 rows) each.
     assert triton_kernels._row_split(variant, 320, 128, plan, 2) == (1, 64, 5)
-    # 3 row blocks over 5 programs: one block each, 32 rows (not 16).
+    # 3 row blocks over 5 programs: one block each, the last program 6 rows.
     assert triton_kernels._row_split(variant, 70, 128, plan, 2) == (1, 32, 3)
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS["squared_relu"], torch.bfloat16, True, False, device=device, rows=70, ffn=128
+        )
+
+
+@pytest.mark.parametrize("rows,aligned", [(50, True), (19, True), (11, False), (4, False)])
+def test_small_calls_launch_the_unaligned_twin(rows, aligned, monkeypatch):
+    """A call whose split comes out below 8 rows per program is not rounded up (a small call
+    would keep a few long programs) and launches the plan's twin with ROWS_ALIGNED off, so the
+    kernel's aligned form only ever sees a multiple of 16; the twin differs in nothing else."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_PROBS_WIDE", 3)
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=True)
+    plan = triton_kernels._backward_plan(variant, 1024, 2)
+    assert plan[2]["ROWS_ALIGNED"] is True
+    launched, *split = triton_kernels._launch_split(variant, rows, 1024, plan, 2)
+    assert tuple(split) == triton_kernels._row_split(variant, rows, 1024, plan, 2)
+    assert (split[1] % 16 == 0) is aligned
+    if aligned:
+        assert launched is plan
+    else:
+        assert launched[2]["ROWS_ALIGNED"] is False
+        assert {k: v for k, v in launched[2].items() if k != "ROWS_ALIGNED"} == {
+            k: v for k, v in plan[2].items() if k != "ROWS_ALIGNED"
+        }
+        names = [n for n in triton_kernels._activation_bwd_kernel.arg_names if n in plan[2]]
+        assert launched[3] == tuple(launched[2][n] for n in names)
+        assert launched[:2] == plan[:2]
+        # The same twin every time (the launch cache keys on its values).
+        assert triton_kernels._launch_split(variant, rows, 1024, plan, 2)[0] is launched
 
 
 @pytest.mark.parametrize("device", BOTH)
@@ -251,10 +288,13 @@ def test_aligned_rows_keep_whole_tiles(monkeypatch):
     "name,rows,split",
     [
         # Aligned rows (a clamp): 25 trips of two rows over 3 programs would be 18 rows each;
-        # rounded to 32, two programs, the second 18 rows, its last trip full.
+        # rounded to 32, two programs, the second 18 rows (9 trips, then 7 empty ones).
         ("swiglu_clamp", 50, (1, 32, 2)),
-        ("swiglu_clamp", 19, (1, 16, 2)),  # 16 rows, then 3: the last trip half empty
-        # Unaligned (SwiGLU): 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
+        # 8 rows per program round to 16 (half the programs): 16 rows, then 3.
+        ("swiglu_clamp", 19, (1, 16, 2)),
+        # Below 8 the split stays (the unaligned twin): 2 trips each, the last 3 rows.
+        ("swiglu_clamp", 11, (1, 4, 3)),
+        # Unaligned kinds: 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
         ("swiglu", 19, (1, 8, 3)),
         ("situ_glu_gate_only", 19, (1, 8, 3)),
     ],

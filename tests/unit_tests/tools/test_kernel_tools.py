@@ -78,13 +78,22 @@ def test_launch_signature_specialises_integers_as_a_launch_does():
         assert (names.index("rows_per_program"),) not in attrs
         assert signature["ROWS_ALIGNED"] == "constexpr" and constants["ROWS_ALIGNED"] is True
         assert options == {"num_warps": plan[2]["num_warps"]}
+    # The forward kernel has no opt-outs: 48 is hinted, 7 is not, 2**31 rows take 64 bits (the
+    # values need not fit the plan's width: only their specialisation is looked at).
     forward = tk._forward_plan(v, 8192, 2)
+    ints = {"rows": 48, "F": 7}
     signature, constants, attrs, _ = launch_signature(
-        tk._activation_fwd_kernel, forward, torch.bfloat16, False, False, {"rows": 48, "F": 7}
+        tk._activation_fwd_kernel, forward, torch.bfloat16, False, False, ints
     )
     rows = (tk._activation_fwd_kernel.arg_names.index("rows"),)
+    F = (tk._activation_fwd_kernel.arg_names.index("F"),)
     assert signature["rows"] == "i32" and attrs[rows] == [["tt.divisibility", 16]]
-    assert signature["F"] == "i32" and signature["bias_ptr"] == "constexpr"
+    assert signature["F"] == "i32" and F not in attrs and signature["bias_ptr"] == "constexpr"
+    ints = {"rows": 2**31, "F": 7}
+    signature, _, attrs, _ = launch_signature(
+        tk._activation_fwd_kernel, forward, torch.bfloat16, False, False, ints
+    )
+    assert signature["rows"] == "i64" and attrs[rows] == [["tt.divisibility", 16]]
 
 
 def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
