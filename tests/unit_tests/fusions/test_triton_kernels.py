@@ -206,7 +206,7 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
 def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypatch):
     """Which backward plans keep the rows per program a multiple of 16 (``ROWS_ALIGNED``), and
     the row split that follows: rounded up to it (never more programs than the count), still a
-    multiple of the tile's rows, unless it comes out below 8; unaligned plans split the row
+    multiple of the tile's rows, unless it is one row; unaligned plans split the row
     blocks evenly."""
     from mcore_activations.fusions import triton_kernels
 
@@ -222,7 +222,7 @@ def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypat
     block_m = plan[0]
     row_blocks = math.ceil(rows / block_m)
     even = block_m * math.ceil(row_blocks / (programs // col_blocks))
-    rounded = aligned and even >= 8  # smaller splits stay (the unaligned twin launches)
+    rounded = aligned and 8 * even >= 16  # smaller splits stay (the unaligned twin launches)
     assert rows_per_program == (16 * math.ceil(even / 16) if rounded else even)
     assert rows_per_program % block_m == 0
     assert row_programs == -(-rows // rows_per_program)
@@ -255,17 +255,19 @@ def test_aligned_rows_with_a_tile_taller_than_16_rows(device, monkeypatch):
         )
 
 
-@pytest.mark.parametrize("rows,aligned", [(50, True), (19, True), (11, False), (4, False)])
+@pytest.mark.parametrize("rows,aligned", [(50, True), (5, True), (3, False), (1, False)])
 def test_small_calls_launch_the_unaligned_twin(rows, aligned, monkeypatch):
-    """A call whose split comes out below 8 rows per program is not rounded up (a small call
+    """A call whose split comes out at one row per program is not rounded up to 16 (a small call
     would keep a few long programs) and launches the plan's twin with ROWS_ALIGNED off, so the
     kernel's aligned form only ever sees a multiple of 16; the twin differs in nothing else."""
     from mcore_activations.fusions import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_PROBS_WIDE", 3)
-    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=True)
+    # The unweighted GLU plan (one-row tiles at 1024 columns) over 3 programs: 50 rows split 17
+    # a program, 5 rows 2, 3 and 1 rows one.
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_GLU", 3)
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=False)
     plan = triton_kernels._backward_plan(variant, 1024, 2)
-    assert plan[2]["ROWS_ALIGNED"] is True
+    assert plan[0] == 1 and plan[2]["ROWS_ALIGNED"] is True
     launched, *split = triton_kernels._launch_split(variant, rows, 1024, plan, 2)
     assert tuple(split) == triton_kernels._row_split(variant, rows, 1024, plan, 2)
     assert (split[1] % 16 == 0) is aligned
@@ -290,10 +292,10 @@ def test_small_calls_launch_the_unaligned_twin(rows, aligned, monkeypatch):
         # Aligned rows (a clamp): 25 trips of two rows over 3 programs would be 18 rows each;
         # rounded to 32, two programs, the second 18 rows (9 trips, then 7 empty ones).
         ("swiglu_clamp", 50, (1, 32, 2)),
-        # 8 rows per program round to 16 (half the programs): 16 rows, then 3.
+        # 8 rows per program round to 16: 16 rows, then 3 (the last trip half empty).
         ("swiglu_clamp", 19, (1, 16, 2)),
-        # Below 8 the split stays (the unaligned twin): 2 trips each, the last 3 rows.
-        ("swiglu_clamp", 11, (1, 4, 3)),
+        # 2 rows (one trip) round to 16 as well: one program.
+        ("swiglu_clamp", 5, (1, 16, 1)),
         # Unaligned kinds: 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
         ("swiglu", 19, (1, 8, 3)),
         ("situ_glu_gate_only", 19, (1, 8, 3)),
