@@ -259,11 +259,7 @@ def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
     # The integers' values at a launch of [rows, F], for Triton's specialisation of them.
     ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
     if backward and plan[1] is not None:  # the tiled backward kernel
-        if hasattr(kernels, "_launch_split"):  # the plan a call of these rows launches
-            plan, _, rows_per_program, _ = kernels._launch_split(
-                v, args.rows, args.ffn, plan, dtype.itemsize
-            )
-        elif hasattr(kernels, "_row_split"):  # revisions of sessions 13-14
+        if hasattr(kernels, "_row_split"):
             rows_per_program = kernels._row_split(v, args.rows, args.ffn, plan, dtype.itemsize)[1]
         else:  # a revision before session 13
             col_blocks = -(-args.ffn // plan[1])

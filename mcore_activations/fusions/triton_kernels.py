@@ -747,14 +747,11 @@ _GLU_BIAS_ALIGNED_BLOCK_N = 1024
 # ReLU moved by -0.10 to +0.02 and the float32 weighted kernels by -0.02 to +0.13 (runs 60-61;
 # the latter with the rows rounded but the kernel not told, an earlier form of the alignment).
 _BIAS_ROWS_ALIGNED = False
-# The divisibility Triton's hints speak of: an aligned split (ROWS_ALIGNED) is a multiple of it.
+# The divisibility Triton's hints speak of: an aligned split (ROWS_ALIGNED) is a multiple of it,
+# small calls included, whose one or two rows per program round up to 16 (fewer, longer
+# programs: H200, 256-4096 rows, level with the unrounded split within the 5-10 % those
+# host-bound calls move by; docs/performance.md, session 14, runs 63-64).
 _ROWS_ALIGNMENT = tl.constexpr(16)
-# An aligned split is rounded up only if that makes each program's rows at most this many times
-# as many; a smaller split (one row per program: a small call) keeps its count on the plan's
-# unaligned twin (_launch_split). H200, bf16 unweighted GLU backward with a bias, raw / cdba11e
-# (docs/performance.md, session 14, run 63): 2 -> 16 rows (1024 x 8192) 0.86-0.88, 3 -> 16
-# (4096 x 2880) 0.88-0.98, 1 -> 16 (256 rows) 0.99-1.11.
-_ROWS_ALIGNED_MAX_GROWTH = 8
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
@@ -1175,33 +1172,12 @@ def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int
     row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
     alignment = _ROWS_ALIGNMENT.value
-    if plan[2]["ROWS_ALIGNED"] and _ROWS_ALIGNED_MAX_GROWTH * rows_per_program >= alignment:
+    if plan[2]["ROWS_ALIGNED"]:
         # Rounded up: never more programs than the count above, and still a whole number of
         # BLOCK_M-row trips (BLOCK_M is a power of two, so a multiple of it that is at least 16
         # is a multiple of 16, and rounding that up to 16 keeps it).
         rows_per_program = alignment * _cdiv(rows_per_program, alignment)
     return col_blocks, rows_per_program, _cdiv(rows, rows_per_program)
-
-
-_UNALIGNED_TWINS: dict = {}  # id(plan) -> (plan, its twin); plans live in functools caches
-
-
-def _launch_split(v, rows: int, F: int, plan, itemsize: int):
-    """``(plan, column blocks, rows per program, programs per column block)`` that the tiled
-    backward launches: ``_row_split``'s split, and ``plan`` itself unless the plan is aligned
-    and the split is not (a call too small to round: ``_ROWS_ALIGNMENT``), which runs on the
-    plan's twin with ``ROWS_ALIGNED`` off. The kernel's aligned form reads the split as a
-    multiple of 16, so no other split may reach it."""
-    split = _row_split(v, rows, F, plan, itemsize)
-    if plan[2]["ROWS_ALIGNED"] and split[1] % _ROWS_ALIGNMENT.value:
-        entry = _UNALIGNED_TWINS.get(id(plan))
-        if entry is None or entry[0] is not plan:
-            kwargs = dict(plan[2], ROWS_ALIGNED=False)
-            names = [n for n in _activation_bwd_kernel.arg_names if n in kwargs]
-            entry = (plan, (plan[0], plan[1], kwargs, tuple(kwargs[n] for n in names)))
-            _UNALIGNED_TWINS[id(plan)] = entry
-        plan = entry[1]
-    return (plan, *split)
 
 
 def triton_backward(
@@ -1226,9 +1202,8 @@ def triton_backward(
             _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
         return dx, None, None
     plan = _backward_plan(v, F, x.element_size())
-    plan, col_blocks, rows_per_program, row_programs = _launch_split(
-        v, rows, F, plan, x.element_size()
-    )
+    # An aligned plan's split is a multiple of 16 (_row_split), which its kernel relies on.
+    col_blocks, rows_per_program, row_programs = _row_split(v, rows, F, plan, x.element_size())
     dbias_part = None
     if v.has_bias:
         dbias_part = torch.empty((row_programs, width), dtype=torch.float32, device=x.device)

@@ -206,7 +206,7 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
 def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypatch):
     """Which backward plans keep the rows per program a multiple of 16 (``ROWS_ALIGNED``), and
     the row split that follows: rounded up to it (never more programs than the count), still a
-    multiple of the tile's rows, unless it is one row; unaligned plans split the row
+    multiple of the tile's rows; unaligned plans split the row
     blocks evenly."""
     from mcore_activations.fusions import triton_kernels
 
@@ -222,15 +222,10 @@ def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypat
     block_m = plan[0]
     row_blocks = math.ceil(rows / block_m)
     even = block_m * math.ceil(row_blocks / (programs // col_blocks))
-    rounded = aligned and 8 * even >= 16  # smaller splits stay (the unaligned twin launches)
-    assert rows_per_program == (16 * math.ceil(even / 16) if rounded else even)
+    assert rows_per_program == (16 * math.ceil(even / 16) if aligned else even)
     assert rows_per_program % block_m == 0
     assert row_programs == -(-rows // rows_per_program)
     assert row_programs * col_blocks <= programs
-    launched = triton_kernels._launch_split(variant, rows, ffn, plan, itemsize)[0]
-    assert launched[2]["ROWS_ALIGNED"] is rounded
-    if rounded:
-        assert rows_per_program % 16 == 0
 
 
 @pytest.mark.parametrize("device", BOTH)
@@ -255,34 +250,30 @@ def test_aligned_rows_with_a_tile_taller_than_16_rows(device, monkeypatch):
         )
 
 
-@pytest.mark.parametrize("rows,aligned", [(50, True), (5, True), (3, False), (1, False)])
-def test_small_calls_launch_the_unaligned_twin(rows, aligned, monkeypatch):
-    """A call whose split comes out at one row per program is not rounded up to 16 (a small call
-    would keep a few long programs) and launches the plan's twin with ROWS_ALIGNED off, so the
-    kernel's aligned form only ever sees a multiple of 16; the twin differs in nothing else."""
+@pytest.mark.parametrize("name", ["swiglu_clamp", "swiglu"])
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
+def test_every_aligned_split_is_a_multiple_of_16(name, has_probs, monkeypatch):
+    """The aligned kernel reads its rows per program as a multiple of 16, so every split of an
+    aligned plan must be one, small calls included (one or two rows round up to 16), and every
+    split must cover the rows once in whole tiles, within the program count."""
     from mcore_activations.fusions import triton_kernels
 
-    # The unweighted GLU plan (one-row tiles at 1024 columns) over 3 programs: 50 rows split 17
-    # a program, 5 rows 2, 3 and 1 rows one.
-    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_GLU", 3)
-    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=False)
-    plan = triton_kernels._backward_plan(variant, 1024, 2)
-    assert plan[0] == 1 and plan[2]["ROWS_ALIGNED"] is True
-    launched, *split = triton_kernels._launch_split(variant, rows, 1024, plan, 2)
-    assert tuple(split) == triton_kernels._row_split(variant, rows, 1024, plan, 2)
-    assert (split[1] % 16 == 0) is aligned
-    if aligned:
-        assert launched is plan
-    else:
-        assert launched[2]["ROWS_ALIGNED"] is False
-        assert {k: v for k, v in launched[2].items() if k != "ROWS_ALIGNED"} == {
-            k: v for k, v in plan[2].items() if k != "ROWS_ALIGNED"
-        }
-        names = [n for n in triton_kernels._activation_bwd_kernel.arg_names if n in plan[2]]
-        assert launched[3] == tuple(launched[2][n] for n in names)
-        assert launched[:2] == plan[:2]
-        # The same twin every time (the launch cache keys on its values).
-        assert triton_kernels._launch_split(variant, rows, 1024, plan, 2)[0] is launched
+    for constant in ("_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_PROBS_WIDE"):
+        monkeypatch.setattr(triton_kernels, constant, 12)
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
+    for ffn in (1024, 2880):
+        plan = triton_kernels._backward_plan(variant, ffn, 2)
+        aligned = plan[2]["ROWS_ALIGNED"]
+        assert aligned is (name == "swiglu_clamp" or not has_probs)
+        for rows in [*range(1, 70), 255, 256, 1000, 4097]:
+            col_blocks, per_program, programs = triton_kernels._row_split(
+                variant, rows, ffn, plan, 2
+            )
+            assert per_program % plan[0] == 0
+            assert (programs - 1) * per_program < rows <= programs * per_program
+            assert programs * col_blocks <= 12
+            if aligned:
+                assert per_program % 16 == 0
 
 
 @pytest.mark.parametrize("device", BOTH)
@@ -294,8 +285,6 @@ def test_small_calls_launch_the_unaligned_twin(rows, aligned, monkeypatch):
         ("swiglu_clamp", 50, (1, 32, 2)),
         # 8 rows per program round to 16: 16 rows, then 3 (the last trip half empty).
         ("swiglu_clamp", 19, (1, 16, 2)),
-        # 2 rows (one trip) round to 16 as well: one program.
-        ("swiglu_clamp", 5, (1, 16, 1)),
         # Unaligned kinds: 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
         ("swiglu", 19, (1, 8, 3)),
         ("situ_glu_gate_only", 19, (1, 8, 3)),
