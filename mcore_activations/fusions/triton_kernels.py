@@ -748,9 +748,10 @@ _GLU_BIAS_ALIGNED_BLOCK_N = 1024
 # the latter with the rows rounded but the kernel not told, an earlier form of the alignment).
 _BIAS_ROWS_ALIGNED = False
 # The divisibility Triton's hints speak of: an aligned split (ROWS_ALIGNED) is a multiple of it,
-# small calls included, whose one or two rows per program round up to 16 (fewer, longer
-# programs: H200, 256-4096 rows, level with the unrounded split within the 5-10 % those
-# host-bound calls move by; docs/performance.md, session 14, runs 63-64).
+# small calls included, whose one to three rows per program round up to 16 (fewer, longer
+# programs). H200, bf16 unweighted GLU backward with a bias, raw, rounded / not (session 14,
+# runs 63-64): 0.86-1.07 at 1024-4096 rows, 0.99-1.22 at 256 rows, calls at 3-9x the floor
+# that move by 5-10 % between runs (docs/performance.md).
 _ROWS_ALIGNMENT = tl.constexpr(16)
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
