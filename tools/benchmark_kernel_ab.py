@@ -15,12 +15,13 @@ the script checks that the two agree (the output or input gradient to the roundi
 or 16 float32 units of the largest value; the bias and probability gradients, sums whose order
 follows the plan, to 1e-4 of their largest value or two units of the dtype's rounding, whichever
 is larger), then times, in turns (``time_interleaved``): a copy of the same bytes (the floor),
-this tree's call without the bias and probabilities (what the variant adds), the baseline's
-call, this tree's, this tree's with each ``--candidate`` set of ``triton_kernels`` constants,
-and each ``--variant``'s. It prints
-time / floor and the ratio of this tree to the baseline. Session 8's measurements of the
-weighted and bias backward (docs/performance.md, runs 31-33) were taken with ad-hoc scripts of
-this form; session 9's (runs 34-35) with this one.
+this tree's call without the bias and probabilities (what the variant adds), when both are on
+this tree's call with the bias alone (``bias only``: the reference a weighted call with a bias
+is held to), the baseline's call, this tree's, this tree's with each ``--candidate`` set of
+``triton_kernels`` constants, and each ``--variant``'s. It prints time / floor and the ratio of
+this tree to the baseline. Session 8's measurements of the weighted and bias backward
+(docs/performance.md, runs 31-33) were taken with ad-hoc scripts of this form; session 9's
+(runs 34-35) with this one.
 """
 
 from __future__ import annotations
@@ -110,7 +111,14 @@ def parse_candidate(text: str) -> dict:
 
 
 # Labels of a case's timing group that bench_case sets itself; a variant must not replace one.
-RESERVED_LABELS = ("floor", "plain", "baseline", "this tree", "this tree / baseline")
+RESERVED_LABELS = (
+    "floor",
+    "plain",
+    "bias only",
+    "baseline",
+    "this tree",
+    "this tree / baseline",
+)
 
 
 def candidate_label(constants: dict) -> str:
@@ -155,6 +163,7 @@ def bench_case(
     params = ak.params_tensor(ak.spec_params(spec), x.device)
     variant = ak.KernelVariant.of(spec, has_bias=has_bias, has_probs=has_probs)
     plain = ak.KernelVariant.of(spec, has_bias=False, has_probs=False)
+    bias_only = ak.KernelVariant.of(spec, has_bias=True, has_probs=False)
 
     def call(module, v=variant, b=bias, p=probs):
         if backward:
@@ -185,6 +194,9 @@ def bench_case(
     group = {"floor": copy_fn(elements * dtype.itemsize)}
     if has_bias or has_probs:
         group["plain"] = call(tk, plain, None, None)
+    if has_bias and has_probs:
+        # The reference the weighted call with a bias is held to: the same call unweighted.
+        group["bias only"] = call(tk, bias_only, bias, None)
     group["baseline"] = call(baseline)
     group["this tree"] = call(tk)
     for constants in candidates:
