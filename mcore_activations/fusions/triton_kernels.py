@@ -684,7 +684,7 @@ _BWD_PROBS_MAX_BLOCK_N = 1024
 _BWD_PROBS_BIAS_ROWS = 2
 _BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block that takes several rows a trip
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
-_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS = 112
+_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_PROBS_NARROW follows from it
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
 # the reduce experiment: at 48 the bf16 clamped SwiGLU gained 0.01 of the copy floor on an H200,
 # while fp32, GEGLU and SiTU-GLU lost 0.02-0.05 and the bias variants 0.5-0.9 (session 8).
@@ -715,13 +715,20 @@ _FLAT_UNARY = True
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
 # The weighted 16-bit GLU backward with a bias at column blocks narrower than 1024
-# (_probs_bias_backward_plan's one-row plan: 2-warp programs at F = 1536) runs 1056 = 8 x 132
-# programs. Every program does the same work and an H200's 132 SMs run 8 of them at once, so
-# the single wave is full, where 1024 left a quarter of the SMs a program short. H200, bf16, raw
-# backward / copy floor, 65536 x 1536, 1024 -> 1056 programs (docs/performance.md, session 13,
-# runs 54-55): clamped SwiGLU 1.317 -> 1.294, SiTU-GLU(4,25) 1.412 -> 1.388, every GLU kind
-# 0.015-0.025 faster; 1188 (9 per SM) ran at 1.67 and 2112-2376 at 1.35-1.48.
-_BIAS_PROGRAMS_PROBS_NARROW = 1056
+# (_probs_bias_backward_plan's one-row plan) runs one full wave. Every program does the same
+# work, and how many an SM holds at once follows from the register cap: each of an SM's 4
+# sub-partitions has 16384 registers and holds floor(16384 / (32 x cap)) warps, so under 112
+# registers a thread an SM holds 16 warps, under 96 it holds 20. The count is of 2-warp
+# programs (512-column blocks, F = 1536): 1320 = 10 x 132 on an H200. Blocks of 256 columns or
+# fewer (F = 768) take one warp, and twice as many programs fill the same wave (_bias_programs).
+# H200, bf16, raw backward / copy floor (docs/performance.md): 1024 -> 1056 programs under 112
+# registers at 65536 x 1536 (session 13, runs 54-55), every GLU kind 0.015-0.025 faster, 1188
+# (a second, partial wave) 1.67; 112 / 1056 -> 96 / 1320 (session 15, runs 65-66), clamped
+# SwiGLU 1.291 -> 1.217 (its bias-only backward: 1.234), GEGLU 1.235 -> 1.182, SwiGLU 1.195 ->
+# 1.157, and 0.03-0.08 at 65536 x 512 and 32768 x 2560; 80 / 1584 ran at 1.27-1.52. At 65536 x
+# 768 the 1-warp programs ran at 1.47-1.79 as 1320 and 1.30-1.54 as 2640. Every GLU kind
+# compiles to at most 96 registers without spilling (tools/inspect_kernel_sass.py).
+_BIAS_PROGRAMS_PROBS_NARROW = 1320
 # The two-row plan at 1024-column blocks runs at most one wave as well: an SM holds 3 of its
 # uncapped programs (up to 168 registers a thread, 4 warps) or 4 under the register cap of 128
 # (_BWD_PROBS_BIAS_MAX_REGISTERS; another cap needs another count), so 396 = 3 x 132 and 528 =
@@ -924,12 +931,13 @@ def _probs_bias_backward_plan(
     gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one
     barrier serves several rows. SiTU-GLU and the GELUs then take a register cap
     (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
-    ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_PROBS_NARROW`` programs
-    (``_bias_programs``). H200, bf16, raw backward / copy floor, one row uncapped -> this plan
-    (docs/performance.md, session 12, run 52; runs 50-51 timed the parts), 16384 x 8192:
-    clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4)
-    1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024
-    programs): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
+    ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_PROBS_NARROW`` 2-warp
+    programs or twice as many 1-warp ones (``_bias_programs``). H200, bf16, raw backward /
+    copy floor, one row uncapped -> this plan (docs/performance.md, session 12, run 52; runs
+    50-51 timed the parts), 16384 x 8192: clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 ->
+    1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x
+    1536 (512-column blocks, 1024 programs): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 ->
+    1.29, 1.42 -> 1.41.
     Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
@@ -1154,7 +1162,8 @@ def _bias_programs(v, plan, itemsize: int) -> int:
     if not _has_probs_bias_plan(v, itemsize):
         return _BIAS_PROGRAMS
     if plan[1] < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
-        return _BIAS_PROGRAMS_PROBS_NARROW
+        # Counted in 2-warp programs; 1-warp ones fill the same wave with twice as many.
+        return _BIAS_PROGRAMS_PROBS_NARROW * 2 // plan[2]["num_warps"]
     if "maxnreg" in plan[2]:
         return _BIAS_PROGRAMS_PROBS_WIDE_CAPPED
     return _BIAS_PROGRAMS_PROBS_WIDE

@@ -122,7 +122,7 @@ def test_triton_weighted_backward_with_several_rows_per_program(name, device, mo
         ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128)),
         ("geglu", torch.float16, 8192, (2, 1024, 4, 128)),
         # Narrower blocks: one row over 2 warps, the narrow cap.
-        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 112)),
+        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 96)),
         # float32 and non-gated kinds keep the general weighted plan.
         ("swiglu_clamp", torch.float32, 8192, (1, 1024, 4, None)),
         ("squared_relu", torch.bfloat16, 8192, (1, 1024, 4, None)),
@@ -177,6 +177,29 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
     )
     assert col_blocks == 3 and row_programs == 2
     assert rows_per_program == 320 * plan[0]
+
+
+@pytest.mark.parametrize(
+    "name,dtype,ffn,warps",
+    [
+        ("swiglu_clamp", torch.bfloat16, 1536, 2),  # 512-column blocks
+        ("situ_glu", torch.float16, 512, 2),
+        ("swiglu_clamp", torch.bfloat16, 768, 1),  # 256-column blocks
+        ("geglu", torch.bfloat16, 100, 1),  # one block of 128
+    ],
+)
+def test_narrow_weighted_bias_programs_fill_one_wave(name, dtype, ffn, warps):
+    """The one-row plan's count is of 2-warp programs: 1-warp programs run twice as many, so
+    every narrow plan runs the same warps in total (one wave under the narrow register cap)."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
+    plan = triton_kernels._backward_plan(variant, ffn, itemsize)
+    assert (plan[0], plan[2]["num_warps"]) == (1, warps)
+    assert plan[2]["maxnreg"] == triton_kernels._BWD_PROBS_BIAS_NARROW_MAX_REGISTERS
+    programs = triton_kernels._bias_programs(variant, plan, itemsize)
+    assert programs * warps == 2 * triton_kernels._BIAS_PROGRAMS_PROBS_NARROW
 
 
 @pytest.mark.parametrize(
