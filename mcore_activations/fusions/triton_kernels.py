@@ -672,6 +672,15 @@ def _activation_bwd_kernel(
 # --experiment tiles`` (docs/performance.md), not autotuned: a tuned choice could differ between
 # runs, and the reductions' summation order (and so the gradients' bits) follows the tile shape.
 _FWD_TILE, _FWD_WARPS = 4096, 8
+# The weighted 16-bit GLU forward with a bias spreads the tile over fewer warps where the column
+# block is narrower than _FWD_MAX_BLOCK_N (_probs_bias_forward_plan). H200, bf16, raw forward /
+# copy floor, 8 -> 4 warps (docs/performance.md, session 15, run 69): clamped SwiGLU 1.266 ->
+# 0.990 at 65536 x 1536 (its bias-only forward: 0.982), 1.167 -> 0.977 at 65536 x 2880, 1.207
+# -> 1.043 at 65536 x 768; quick-GEGLU 1.135 -> 0.996, 1.113 -> 0.995, 1.327 -> 1.055; GEGLU
+# 1.089 -> 0.985 at 65536 x 1536; SiTU-GLU(4) 1.217 -> 1.128. At 2048-column blocks (16384 x
+# 8192) 4 warps lost 0.1-0.2, and the forwards without a bias or without probabilities, at
+# 0.97-1.02 with 8 warps, keep them.
+_FWD_WARPS_PROBS_BIAS_NARROW = 4
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 columns
 # Weighted: rows per program, columns per warp (8 per thread at 256) and the widest column block.
@@ -846,12 +855,42 @@ def _plan(
 
 def _forward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
+    if _has_probs_bias_plan(v, itemsize):
+        return _probs_bias_forward_plan(
+            v,
+            F,
+            _FWD_TILE,
+            _FWD_WARPS,
+            _FWD_WARPS_PROBS_BIAS_NARROW,
+            _FWD_MAX_BLOCK_N,
+            fast_div,
+            _COLUMNS_FASTEST,
+        )
     return _plan(v, F, _FWD_TILE, _FWD_WARPS, _FWD_MAX_BLOCK_N, fast_div, _COLUMNS_FASTEST)
 
 
+@functools.cache
+def _probs_bias_forward_plan(
+    v,
+    F: int,
+    tile: int,
+    warps: int,
+    narrow_warps: int,
+    max_block_n: int,
+    fast_div: bool,
+    columns_fastest: bool,
+):
+    """The weighted forward's plan with a bias, for 16-bit GLUs: the general tile, over
+    ``narrow_warps`` (``_FWD_WARPS_PROBS_BIAS_NARROW``) where the column block is narrower than
+    ``max_block_n``; cached, as ``_plan`` is (the arguments after ``F`` are module constants)."""
+    if _block_n(F, max_block_n) < max_block_n:
+        warps = narrow_warps
+    return _plan(v, F, tile, warps, max_block_n, fast_div, columns_fastest)
+
+
 def _has_probs_bias_plan(v, itemsize: int) -> bool:
-    # The weighted 16-bit GLU backward with a bias has a plan (_probs_bias_backward_plan) and
-    # program counts (_bias_programs) of its own.
+    # The weighted 16-bit GLU with a bias has plans of its own (_probs_bias_forward_plan,
+    # _probs_bias_backward_plan) and program counts for its backward (_bias_programs).
     return v.gated and v.has_probs and v.has_bias and itemsize <= 2
 
 

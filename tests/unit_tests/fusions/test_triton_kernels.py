@@ -143,6 +143,42 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
 
 
 @pytest.mark.parametrize(
+    "name,has_bias,has_probs,dtype,ffn,warps",
+    [
+        # Weighted 16-bit GLUs with a bias: 4 warps below 2048-column blocks.
+        ("swiglu_clamp", True, True, torch.bfloat16, 1536, 4),
+        ("quick_geglu_gpt_oss", True, True, torch.float16, 2880, 4),
+        ("situ_glu", True, True, torch.bfloat16, 768, 4),
+        ("swiglu_clamp", True, True, torch.bfloat16, 8192, 8),
+        # Everything else keeps the general forward plan.
+        ("swiglu_clamp", True, True, torch.float32, 1536, 8),
+        ("swiglu_clamp", True, False, torch.bfloat16, 1536, 8),
+        ("swiglu_clamp", False, True, torch.bfloat16, 1536, 8),
+        ("squared_relu", True, True, torch.bfloat16, 1536, 8),
+    ],
+)
+def test_forward_plan_warps(name, has_bias, has_probs, dtype, ffn, warps):
+    """The forward's warps per program, and that the weighted plan with a bias changes only
+    them: the same tile (rows and column block) as the general plan."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=has_bias, has_probs=has_probs)
+    plan = triton_kernels._forward_plan(variant, ffn, itemsize)
+    assert plan[2]["num_warps"] == warps
+    general = triton_kernels._plan(
+        variant,
+        ffn,
+        triton_kernels._FWD_TILE,
+        triton_kernels._FWD_WARPS,
+        triton_kernels._FWD_MAX_BLOCK_N,
+        triton_kernels._fast_div(itemsize),
+        triton_kernels._COLUMNS_FASTEST,
+    )
+    assert plan[:2] == general[:2]
+
+
+@pytest.mark.parametrize(
     "name,has_probs,dtype,ffn,constant",
     [
         ("squared_relu", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
