@@ -674,7 +674,7 @@ def _activation_bwd_kernel(
 _FWD_TILE, _FWD_WARPS = 4096, 8
 # The weighted 16-bit GLU forward with a bias spreads the tile over fewer warps where the column
 # block is narrower than _FWD_MAX_BLOCK_N (_probs_bias_forward_plan). H200, bf16, raw forward /
-# copy floor, 8 -> 4 warps (docs/performance.md, session 15, run 69): clamped SwiGLU 1.266 ->
+# copy floor, 8 -> 4 warps (docs/performance.md, session 16, run 70): clamped SwiGLU 1.266 ->
 # 0.990 at 65536 x 1536 (its bias-only forward: 0.982), 1.167 -> 0.977 at 65536 x 2880, 1.207
 # -> 1.043 at 65536 x 768; quick-GEGLU 1.135 -> 0.996, 1.113 -> 0.995, 1.327 -> 1.055; GEGLU
 # 1.089 -> 0.985 at 65536 x 1536; SiTU-GLU(4) 1.217 -> 1.128. At 2048-column blocks (16384 x
@@ -732,7 +732,7 @@ _BIAS_PROGRAMS_GLU = 4096
 # fewer (F = 768) take one warp, and twice as many programs fill the same wave (_bias_programs).
 # H200, bf16, raw backward / copy floor (docs/performance.md): 1024 -> 1056 programs under 112
 # registers at 65536 x 1536 (session 13, runs 54-55), every GLU kind 0.015-0.025 faster, 1188
-# (a second, partial wave) 1.67; 112 / 1056 -> 96 / 1320 (session 15, runs 65-66), clamped
+# (a second, partial wave) 1.67; 112 / 1056 -> 96 / 1320 (sessions 15-16, runs 65-67), clamped
 # SwiGLU 1.291 -> 1.217 (its bias-only backward: 1.234), GEGLU 1.235 -> 1.182, SwiGLU 1.195 ->
 # 1.157, and 0.03-0.08 at 65536 x 512 and 32768 x 2560; 80 / 1584 ran at 1.27-1.52. At 65536 x
 # 768 the 1-warp programs ran at 1.47-1.79 as 1320 and 1.30-1.54 as 2640. Every GLU kind
