@@ -908,36 +908,52 @@ def test_cuda_triton_is_bitwise_reproducible(has_bias):
 
 
 @pytest.mark.gpu
-def test_cuda_triton_captures_in_a_cuda_graph():
+@pytest.mark.parametrize("ffn", [1024, 1536], ids=["one-block", "three-blocks"])
+@pytest.mark.parametrize("has_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
+def test_cuda_triton_captures_in_a_cuda_graph(has_probs, has_bias, ffn):
     """Forward and backward capture in one CUDA graph (no host sync, no per-call host-to-device
-    copies) and a replay on new input values gives exactly what an eager call gives."""
+    copies) and a replay on new input values gives exactly what an eager call gives: with and
+    without a bias and probabilities, over one column block and over three (whose partial
+    probability gradients are summed after the kernel)."""
     spec = SPECS["situ_glu"]
-    x = (torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16) * 4).requires_grad_()
-    probs = torch.rand(512, 1, device="cuda", requires_grad=True)
-    grad = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    leaves = {"x": (torch.randn(512, 2 * ffn, device="cuda", dtype=torch.bfloat16) * 4)}
+    if has_bias:
+        leaves["bias"] = torch.randn(2 * ffn, device="cuda", dtype=torch.bfloat16)
+    if has_probs:
+        leaves["probs"] = torch.rand(512, 1, device="cuda")
+    for leaf in leaves.values():
+        leaf.requires_grad_()
+    grad = torch.randn(512, ffn, device="cuda", dtype=torch.bfloat16)
+
+    def call(t):
+        return fused_activation(t["x"], spec, bias=t.get("bias"), probs=t.get("probs"))
+
     with use_kernel_backend("triton"):
         # Warm up on a side stream (compiles the kernels, fills the params cache), then capture.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                fused_activation(x, spec, probs=probs).backward(grad)
+                call(leaves).backward(grad)
         torch.cuda.current_stream().wait_stream(stream)
-        x.grad = probs.grad = None
+        for leaf in leaves.values():
+            leaf.grad = None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_activation(x, spec, probs=probs)
+            out = call(leaves)
             out.backward(grad)
         with torch.no_grad():
-            x.mul_(0.5)
-            probs.add_(0.25)
+            for leaf in leaves.values():
+                leaf.mul_(0.5).add_(0.25)
         graph.replay()
         torch.cuda.synchronize()
-        xe, pe = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
-        eager = fused_activation(xe, spec, probs=pe)
+        fresh = {name: leaf.detach().clone().requires_grad_() for name, leaf in leaves.items()}
+        eager = call(fresh)
         eager.backward(grad)
     assert torch.equal(out, eager)
-    assert torch.equal(x.grad, xe.grad) and torch.equal(probs.grad, pe.grad)
+    for name, leaf in leaves.items():
+        assert torch.equal(leaf.grad, fresh[name].grad), name
 
 
 def test_export_leaves_no_fake_tensor_behind():
