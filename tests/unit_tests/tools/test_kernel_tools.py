@@ -173,7 +173,7 @@ def test_variant_labels_never_replace_another_column():
     # timing, and every ratio of the row with it.
     candidates = [{"_BIAS_PROGRAMS": 2048}]
     assert check_variant_labels([("prefetch", "a.py"), ("old", "HEAD~1")], candidates) is None
-    for label in ("floor", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
+    for label in ("floor", "plain", "bias only", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
         assert "already a column" in check_variant_labels([(label, "a.py")], candidates)
     assert "'a'" in check_variant_labels([("a", "x.py"), ("a", "y.py")], [])
 
