@@ -782,16 +782,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.cache
 def _block_n(F: int, max_block_n: int) -> int:
     """Column block: the widest power of two in 128..max_block_n whose masked tail wastes at
     most 1/8 of the row, else the one that wastes least; narrow rows get one block.
 
     Wide blocks keep each row's loads long and contiguous: at F = 2880 (gpt-oss) 128-column
     blocks (the least waste) ran at 1.16x the copy floor on an H200, where TE and torch.compile
-    ran at 1.04-1.06x (docs/performance.md).
+    ran at 1.04-1.06x (docs/performance.md). Cached: the unweighted GLU backward asks on every
+    call, and the search costs 1-2 us of host time (5 us through triton.next_power_of_2).
     """
     if F <= 128:
-        return triton.next_power_of_2(F)
+        return 1 << (F - 1).bit_length()
     sizes = [b for b in (4096, 2048, 1024, 512, 256, 128) if b <= max_block_n]
     waste = {b: _cdiv(F, b) * b - F for b in sizes}
     for b in sizes:

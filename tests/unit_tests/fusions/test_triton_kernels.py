@@ -114,6 +114,32 @@ def test_triton_weighted_backward_with_several_rows_per_program(name, device, mo
 
 
 @pytest.mark.parametrize(
+    "ffn,max_block_n,expected",
+    [
+        # Narrow rows: one block, the next power of two (the kernels' tl.arange needs one).
+        (1, 1024, 1),
+        (13, 1024, 16),
+        (128, 1024, 128),
+        # The widest block whose masked tail is at most 1/8 of the row.
+        (1536, 1024, 512),
+        (2880, 2048, 1024),
+        (8192, 1024, 1024),
+        (8192, 2048, 2048),
+        # No block wastes 1/8 or less: the least waste (F = 300: 128-column blocks waste 84),
+        # the wider block on a tie (F = 129: 256 and 128 both waste 127).
+        (300, 1024, 128),
+        (129, 1024, 256),
+    ],
+)
+def test_column_block(ffn, max_block_n, expected):
+    """``_block_n``'s rule, and that its (cached) answer does not change between calls."""
+    from mcore_activations.fusions import triton_kernels
+
+    assert triton_kernels._block_n(ffn, max_block_n) == expected
+    assert triton_kernels._block_n(ffn, max_block_n) == expected
+
+
+@pytest.mark.parametrize(
     "name,dtype,ffn,expected",
     [
         # 16-bit GLUs, 1024-column blocks: two rows per trip over 4 warps (the columns split
