@@ -689,11 +689,12 @@ _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
 # Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop
 # where the column block is 1024 wide, the register cap there for the kinds heavy in
-# transcendentals, and the cap for narrower column blocks (one row per trip).
+# transcendentals, and the cap for narrower column blocks (one row per trip), which 16-bit GLUs
+# with a bias and without probabilities share (_has_narrow_glu_bias_plan).
 _BWD_PROBS_BIAS_ROWS = 2
 _BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block that takes several rows a trip
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
-_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_PROBS_NARROW follows from it
+_BWD_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_NARROW follows from it
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
 # the reduce experiment: at 48 the bf16 clamped SwiGLU gained 0.01 of the copy floor on an H200,
 # while fp32, GEGLU and SiTU-GLU lost 0.02-0.05 and the bias variants 0.5-0.9 (session 8).
@@ -718,9 +719,11 @@ _FLAT_UNARY = True
 # With a bias the backward reduces over rows; this many programs in total (across column blocks)
 # share the rows. A fixed number, not one derived from the device, keeps the summation order -
 # and so the bias gradient's bits - the same on every GPU. The unweighted GLU backward runs more
-# of them: H200, bf16, raw backward / copy floor, 4096 against 1024 programs: 1.27 against 1.35
-# at 65536 x 1536, 1.37 against 1.60 at 16384 x 2880 (gpt-oss), 1.24 against 1.28 at 16384 x
-# 8192; weighted and non-gated calls lost up to 0.11 with more (docs/performance.md, session 8).
+# of them (float32 at every width, 16-bit inputs at column blocks of 1024; narrower blocks take
+# the one-row plan of _BIAS_PROGRAMS_NARROW): H200, bf16, raw backward / copy floor, 4096
+# against 1024 programs: 1.27 against 1.35 at 65536 x 1536, 1.37 against 1.60 at 16384 x 2880
+# (gpt-oss), 1.24 against 1.28 at 16384 x 8192; weighted and non-gated calls lost up to 0.11
+# with more (docs/performance.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
 # The weighted 16-bit GLU backward with a bias at column blocks narrower than 1024
@@ -737,7 +740,14 @@ _BIAS_PROGRAMS_GLU = 4096
 # 1.157, and 0.03-0.08 at 65536 x 512 and 32768 x 2560; 80 / 1584 ran at 1.27-1.52. At 65536 x
 # 768 the 1-warp programs ran at 1.47-1.79 as 1320 and 1.30-1.54 as 2640. Every GLU kind
 # compiles to at most 96 registers without spilling (tools/inspect_kernel_sass.py).
-_BIAS_PROGRAMS_PROBS_NARROW = 1320
+# The unweighted 16-bit GLU backward with a bias takes the same plan and count at those widths
+# (_has_narrow_glu_bias_plan), where its own plan (1024-element tiles over 4 warps, 4096
+# programs: 5-8 waves of 5-6 programs an SM) ran at 1.54-1.67 (session 17, run 72): 65536 x
+# 768, SwiGLU 1.536 -> 1.252, clamped SwiGLU 1.587 -> 1.304, GEGLU 1.588 -> 1.249, SiTU-GLU(4,
+# 25) 1.674 -> 1.450; 65536 x 512 1.57-1.67 -> 1.28-1.35; 65536 x 1536 1.195 -> 1.120, 1.233
+# -> 1.167, 1.218 -> 1.125, SiTU-GLU(4,25) level. Whole waves of the old plan (1320-3960
+# programs) gained at most half of that.
+_BIAS_PROGRAMS_NARROW = 1320
 # The two-row plan at 1024-column blocks runs at most one wave as well: an SM holds 3 of its
 # uncapped programs (up to 168 registers a thread, 4 warps) or 4 under the register cap of 128
 # (_BWD_PROBS_BIAS_MAX_REGISTERS; another cap needs another count), so 396 = 3 x 132 and 528 =
@@ -896,6 +906,18 @@ def _has_probs_bias_plan(v, itemsize: int) -> bool:
     return v.gated and v.has_probs and v.has_bias and itemsize <= 2
 
 
+def _has_narrow_glu_bias_plan(v, F: int, itemsize: int) -> bool:
+    # The unweighted 16-bit GLU backward with a bias takes the weighted one-row plan where the
+    # column block is narrower than _BWD_PROBS_BIAS_WIDE_BLOCK_N (_BIAS_PROGRAMS_NARROW says why).
+    return (
+        v.gated
+        and v.has_bias
+        and not v.has_probs
+        and itemsize <= 2
+        and _block_n(F, _BWD_PROBS_MAX_BLOCK_N) < _BWD_PROBS_BIAS_WIDE_BLOCK_N
+    )
+
+
 def _backward_plan(v, F, itemsize: int):
     fast_div = _fast_div(itemsize)
     if _has_probs_bias_plan(v, itemsize):
@@ -905,9 +927,21 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_PROBS_BIAS_ROWS,
             _BWD_PROBS_BIAS_WIDE_BLOCK_N,
             _BWD_PROBS_BIAS_MAX_REGISTERS,
-            _BWD_PROBS_BIAS_NARROW_MAX_REGISTERS,
+            _BWD_BIAS_NARROW_MAX_REGISTERS,
             _BWD_PROBS_MAX_BLOCK_N,
             _BWD_PROBS_COLUMNS_PER_WARP,
+            fast_div,
+            _COLUMNS_FASTEST,
+        )
+    if _has_narrow_glu_bias_plan(v, F, itemsize):
+        # The weighted plan's one row per trip, without probabilities (_BIAS_PROGRAMS_NARROW).
+        return _probs_backward_plan(
+            v,
+            F,
+            1,
+            _BWD_PROBS_MAX_BLOCK_N,
+            _BWD_PROBS_COLUMNS_PER_WARP,
+            _BWD_BIAS_NARROW_MAX_REGISTERS,
             fast_div,
             _COLUMNS_FASTEST,
         )
@@ -972,7 +1006,7 @@ def _probs_bias_backward_plan(
     gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one
     barrier serves several rows. SiTU-GLU and the GELUs then take a register cap
     (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
-    ``_BWD_PROBS_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_PROBS_NARROW`` 2-warp
+    ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp
     programs or twice as many 1-warp ones (``_bias_programs``). H200, bf16, raw backward /
     copy floor, one row uncapped -> this plan (docs/performance.md, session 12, run 52; runs
     50-51 timed the parts), 16384 x 8192: clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 ->
@@ -1193,18 +1227,20 @@ def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
         _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
 
 
-def _bias_programs(v, plan, itemsize: int) -> int:
+def _bias_programs(v, F: int, plan, itemsize: int) -> int:
     """Programs in total of the backward with a bias (``v.has_bias``) under ``plan``, over all
     column blocks."""
     if not v.gated:
         return _BIAS_PROGRAMS
+    # The one-row plan's count is of 2-warp programs; 1-warp ones fill the same wave with twice
+    # as many.
+    one_row = _BIAS_PROGRAMS_NARROW * 2 // plan[2]["num_warps"]
     if not v.has_probs:
-        return _BIAS_PROGRAMS_GLU
+        return one_row if _has_narrow_glu_bias_plan(v, F, itemsize) else _BIAS_PROGRAMS_GLU
     if not _has_probs_bias_plan(v, itemsize):
         return _BIAS_PROGRAMS
     if plan[1] < _BWD_PROBS_BIAS_WIDE_BLOCK_N:
-        # Counted in 2-warp programs; 1-warp ones fill the same wave with twice as many.
-        return _BIAS_PROGRAMS_PROBS_NARROW * 2 // plan[2]["num_warps"]
+        return one_row
     if "maxnreg" in plan[2]:
         return _BIAS_PROGRAMS_PROBS_WIDE_CAPPED
     return _BIAS_PROGRAMS_PROBS_WIDE
@@ -1219,7 +1255,7 @@ def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int
     row_blocks = _cdiv(rows, block_m)
     if not v.has_bias:
         return col_blocks, block_m, row_blocks
-    programs = _bias_programs(v, plan, itemsize)
+    programs = _bias_programs(v, F, plan, itemsize)
     row_programs = min(row_blocks, max(1, programs // col_blocks))
     rows_per_program = block_m * _cdiv(row_blocks, row_programs)
     alignment = _ROWS_ALIGNMENT.value

@@ -80,7 +80,7 @@ def test_triton_reductions_across_programs(name, has_probs, device, monkeypatch)
 
     # 4 programs over the column blocks: 2 row programs per column block for the non-gated
     # kernel (2 blocks), 1 for the gated one (3 blocks), each looping over several row blocks.
-    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_PROBS_NARROW"):
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_NARROW"):
         monkeypatch.setattr(triton_kernels, constant, 4)
     for constant in ("_BWD_TILE", "_BWD_TILE_ROW"):  # unweighted: 2 rows per block at 128 columns
         monkeypatch.setattr(triton_kernels, constant, 256)
@@ -209,12 +209,15 @@ def test_forward_plan_warps(name, has_bias, has_probs, dtype, ffn, warps):
     [
         ("squared_relu", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
         ("squared_relu", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS"),
-        ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_GLU"),
-        # The weighted 16-bit GLUs' plans have counts of their own: the one-row plan at
-        # 512-column blocks, the two-row plan at 1024-column blocks with and without the
-        # register cap (SiTU-GLU and the GELUs take it). float32 keeps the general count.
-        ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
-        ("situ_glu", True, torch.float16, 1536, "_BIAS_PROGRAMS_PROBS_NARROW"),
+        ("swiglu_clamp", False, torch.bfloat16, 3072, "_BIAS_PROGRAMS_GLU"),
+        ("swiglu_clamp", False, torch.float32, 1536, "_BIAS_PROGRAMS_GLU"),
+        # 16-bit GLUs take the one-row plan at 512-column blocks, weighted or not; the weighted
+        # ones the two-row plan at 1024-column blocks, with and without the register cap
+        # (SiTU-GLU and the GELUs take it). Weighted float32 keeps the general count.
+        ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
+        ("geglu", False, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
+        ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
+        ("situ_glu", True, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
         ("swiglu_clamp", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
         ("reglu", True, torch.float16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
         ("situ_glu", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"),
@@ -232,7 +235,7 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
     expected = getattr(triton_kernels, constant)
-    assert triton_kernels._bias_programs(variant, plan, itemsize) == expected
+    assert triton_kernels._bias_programs(variant, ffn, plan, itemsize) == expected
     monkeypatch.setattr(triton_kernels, constant, 6)
     col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
         variant, 640 * plan[0], ffn, plan, itemsize
@@ -241,6 +244,7 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
     assert rows_per_program == 320 * plan[0]
 
 
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
 @pytest.mark.parametrize(
     "name,dtype,ffn,warps",
     [
@@ -250,18 +254,19 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
         ("geglu", torch.bfloat16, 100, 1),  # one block of 128
     ],
 )
-def test_narrow_weighted_bias_programs_fill_one_wave(name, dtype, ffn, warps):
-    """The one-row plan's count is of 2-warp programs: 1-warp programs run twice as many, so
-    every narrow plan runs the same warps in total (one wave under the narrow register cap)."""
+def test_narrow_bias_programs_fill_one_wave(name, dtype, ffn, warps, has_probs):
+    """The one-row plan of 16-bit GLUs with a bias, weighted or not: its count is of 2-warp
+    programs, 1-warp programs run twice as many, so every narrow plan runs the same warps in
+    total (one wave under the narrow register cap)."""
     from mcore_activations.fusions import triton_kernels
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
     assert (plan[0], plan[2]["num_warps"]) == (1, warps)
-    assert plan[2]["maxnreg"] == triton_kernels._BWD_PROBS_BIAS_NARROW_MAX_REGISTERS
-    programs = triton_kernels._bias_programs(variant, plan, itemsize)
-    assert programs * warps == 2 * triton_kernels._BIAS_PROGRAMS_PROBS_NARROW
+    assert plan[2]["maxnreg"] == triton_kernels._BWD_BIAS_NARROW_MAX_REGISTERS
+    programs = triton_kernels._bias_programs(variant, ffn, plan, itemsize)
+    assert programs * warps == 2 * triton_kernels._BIAS_PROGRAMS_NARROW
 
 
 @pytest.mark.parametrize(
@@ -299,7 +304,7 @@ def test_backward_rows_alignment(name, has_probs, dtype, ffn, aligned, monkeypat
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=has_probs)
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
     assert plan[2]["ROWS_ALIGNED"] is aligned
-    programs = triton_kernels._bias_programs(variant, plan, itemsize)
+    programs = triton_kernels._bias_programs(variant, ffn, plan, itemsize)
     rows = 16384 + 6  # not a multiple of any tile's rows
     col_blocks, rows_per_program, row_programs = triton_kernels._row_split(
         variant, rows, ffn, plan, itemsize
@@ -466,7 +471,7 @@ def test_triton_program_orders_agree_bit_for_bit(name, has_probs, device, monkey
     # a non-gated forward runs the flat kernel, which has no tiles); with 12 bias programs, four
     # row programs in the backward, each looping over several row blocks (8 rows for a GLU, 2 for
     # the non-gated kind at a 256-element tile, 1 with probabilities).
-    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_PROBS_NARROW"):
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_NARROW"):
         monkeypatch.setattr(tk, constant, 12)
     monkeypatch.setattr(tk, "_BWD_TILE", 256)
     rows = 75

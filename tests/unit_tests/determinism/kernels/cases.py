@@ -23,8 +23,18 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def fused(spec, backend, rows=67, ffn=40, dtype=torch.bfloat16, device=None, interleave=None):
-    """``fused_activation`` on ``backend`` with bias and probabilities: out, dx, dbias, dprobs."""
+def fused(
+    spec,
+    backend,
+    rows=67,
+    ffn=40,
+    dtype=torch.bfloat16,
+    device=None,
+    interleave=None,
+    weighted=True,
+):
+    """``fused_activation`` on ``backend`` with a bias, and probabilities unless ``weighted`` is
+    False (the two take different backward plans): out, dx, dbias and dprobs where weighted."""
     from mcore_activations.fusions.activation_ops import use_kernel_backend
     from mcore_activations.fusions.fused_activation import fused_activation
 
@@ -40,9 +50,10 @@ def fused(spec, backend, rows=67, ffn=40, dtype=torch.bfloat16, device=None, int
     probs = torch.rand(rows, 1, generator=gen).to(device).requires_grad_()
     grad = torch.randn(rows, ffn, generator=gen).to(device, dtype)
     with use_kernel_backend(backend):
-        out = fused_activation(x, spec, bias=bias, probs=probs)
+        out = fused_activation(x, spec, bias=bias, probs=probs if weighted else None)
         out.backward(grad)
-    return {"out": out.detach(), "dx": x.grad, "dbias": bias.grad, "dprobs": probs.grad}
+    results = {"out": out.detach(), "dx": x.grad, "dbias": bias.grad}
+    return results | ({"dprobs": probs.grad} if weighted else {})
 
 
 def jit_callables():
@@ -74,6 +85,7 @@ CASES = {
     "triton-clamped": lambda: fused(CLAMPED, "triton"),
     "triton-situ": lambda: fused(SITU, "triton", interleave=4),
     "triton-quick": lambda: fused(QUICK, "triton"),
+    "triton-clamped-unweighted": lambda: fused(CLAMPED, "triton", weighted=False),
     "jit-callables": jit_callables,
 }
 

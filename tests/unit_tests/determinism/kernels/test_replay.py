@@ -38,7 +38,9 @@ def test_jit_fuser_callables_replay_bitwise():
 
 
 @needs_interpreter
-@pytest.mark.parametrize("case", ["triton-clamped", "triton-situ", "triton-quick"])
+@pytest.mark.parametrize(
+    "case", ["triton-clamped", "triton-situ", "triton-quick", "triton-clamped-unweighted"]
+)
 def test_triton_kernels_replay_bitwise(case):
     replay_twice(CASES[case], case)
 
@@ -65,11 +67,16 @@ def test_harness_reports_the_first_difference():
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [True, False], ids=["probs", "unweighted"])
 @pytest.mark.parametrize("spec", [CLAMPED, SITU, QUICK], ids=["clamped", "situ", "quick"])
 @pytest.mark.parametrize("shape", [(4099, 1536), (256, 2880)], ids=str)
-def test_cuda_triton_replay_bitwise(spec, shape):
+def test_cuda_triton_replay_bitwise(spec, shape, weighted):
+    # With a bias: at F = 1536 both take the one-row plan, at 2880 the two-row and the tile plans.
     rows, ffn = shape
-    replay_twice(lambda: fused(spec, "triton", rows=rows, ffn=ffn), f"{spec.name} {shape}")
+    replay_twice(
+        lambda: fused(spec, "triton", rows=rows, ffn=ffn, weighted=weighted),
+        f"{spec.name} {shape} {'probs' if weighted else 'unweighted'}",
+    )
 
 
 @pytest.mark.gpu
