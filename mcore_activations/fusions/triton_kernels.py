@@ -1056,7 +1056,8 @@ def _probs_backward_plan(
     rows_aligned: bool = False,
 ):
     """``rows`` rows of one column block per program, ``columns_per_warp`` columns of it per
-    warp, for the backward with probabilities.
+    warp, for the backward with probabilities (and, one row under the narrow register cap, for
+    the unweighted 16-bit GLU backward with a bias: ``_has_narrow_glu_bias_plan``).
 
     The probability gradient is a sum over each row, so every program ends in a cross-warp
     reduction behind a barrier. Measured on an H200 (bf16 SwiGLU(clamp=7), raw backward / copy
