@@ -403,6 +403,28 @@ def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(
 
 
 @pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize("has_probs", [False, True], ids=["unweighted", "probs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_triton_glu_backward_with_a_bias_one_row_per_trip(dtype, has_probs, device, monkeypatch):
+    """The one-row plan of 16-bit GLUs with a bias, weighted or not, at 128-column blocks (F =
+    300: three blocks, the last partly padding): a count of 6 is 12 one-warp programs, 4 per
+    column block, so each walks 5 of the 19 rows one per trip (the last 4), against the float64
+    reference."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_BIAS_PROGRAMS_NARROW", 6)
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=has_probs)
+    plan = triton_kernels._backward_plan(variant, 300, 2)
+    assert (plan[0], plan[1], plan[2]["num_warps"]) == (1, 128, 1)
+    assert triton_kernels._row_split(variant, 19, 300, plan, 2) == (3, 5, 4)
+    with use_kernel_backend("triton"):
+        for name in ("swiglu_clamp", "situ_glu", "quick_geglu_gpt_oss"):
+            check_against_reference(
+                SPECS[name], dtype, True, has_probs, device=device, rows=19, ffn=300
+            )
+
+
+@pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_triton_unweighted_glu_backward_with_aligned_rows(dtype, device, monkeypatch):
     """The unweighted GLU backward with a bias at a 1024-column block keeps its rows per
