@@ -1103,6 +1103,8 @@ _NO_GUARD = contextlib.nullcontext()  # reusable: it holds no state
 
 
 _DIRECT_LAUNCH = os.environ.get("MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH", "1") != "0"
+# Triton's launch hooks (profilers such as proton install them), or None before Triton had knobs.
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _int_key(n: int) -> tuple[bool, bool, bool]:
@@ -1110,43 +1112,99 @@ def _int_key(n: int) -> tuple[bool, bool, bool]:
     return n == 1, n % 16 == 0, n >= 2**31
 
 
-def _ptr_key(t: Optional[torch.Tensor]):
-    # What Triton specialises a pointer argument on: presence, dtype, 16-byte alignment.
-    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+def _no_launch_hooks() -> bool:
+    # A hook chain with nothing in it, or no hook: the compiled kernel's launcher then needs no
+    # launch metadata (Triton builds it on every launch when the chain exists at all).
+    if _RUNTIME_KNOBS is None:
+        return False
+    for hook in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
 
 
 class _Launcher:
     """Runs a ``@triton.jit`` kernel; repeated calls launch its compiled binary directly.
 
     ``kernel[grid](...)`` re-derives Triton's specialisation key from every argument in Python on
-    each call: about 20 of the 30 us a launch costs on the H200 host, where a small MoE expert's
-    activation takes 10-20 us on the GPU. The first call of each specialisation goes through
-    Triton (compiling if needed) and keeps the compiled kernel under a key made of what Triton
-    specialises on (device, the plan's compile-time values, each pointer's dtype and alignment,
-    each integer's value class, or only its width where the kernel says ``do_not_specialize``);
-    later calls with the same key launch that kernel.
-    ``MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH=0`` turns this off (every call goes through Triton).
+    each call, and the compiled kernel's own ``[grid]`` entry asks for the current device and
+    stream and builds launch metadata for hooks nobody set: together about 20 of the 30 us a
+    launch costs on the H200 host, where a small MoE expert's activation takes 10-20 us on the
+    GPU. The first call of each specialisation goes through Triton (compiling if needed) and keeps
+    the compiled kernel under a key made of what Triton specialises on (device, the plan's
+    compile-time values, each pointer's dtype and 16-byte alignment, each integer's value class,
+    or only its width for the kernel's ``do_not_specialize`` integers); later calls with the same
+    key call its launcher with the current stream and raw pointers, which Triton's C launcher
+    takes as they are instead of asking the driver about each tensor. Tensors on another device
+    than the first are refused first: a raw pointer is not checked downstream. Where launch hooks
+    are set, the launch goes through the compiled kernel's ``[grid]`` entry, which calls them.
+    ``MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH=0`` turns all this off (every call goes through
+    Triton).
     """
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, unspecialised: tuple[str, ...] = ()):
+        names = list(kernel.arg_names)
+        unknown = [name for name in unspecialised if name not in names]
+        assert not unknown, f"{unknown} are not arguments of {kernel}"
         self.kernel = kernel
+        self.names = [name.removesuffix("_ptr") for name in names]  # for error messages
+        self.unspecialised = frozenset(names.index(name) for name in unspecialised)
         self.compiled: dict = {}
 
-    def __call__(self, grid, args: tuple, plan: tuple, key: tuple) -> None:
+    def __call__(self, grid, tensors: tuple, ints: tuple, plan: tuple) -> None:
+        """Launches over ``grid`` with the kernel's pointer arguments ``tensors`` (None where
+        absent), then its integer arguments ``ints``, then the plan's compile-time values."""
         global _DIRECT_LAUNCH
+        device = tensors[0].get_device()
+        pointers, tensor_key = [], []
+        for i, t in enumerate(tensors):
+            if t is None:
+                pointers.append(None)
+                tensor_key.append(None)
+                continue
+            if t.get_device() != device:
+                raise RuntimeError(
+                    f"the activation kernel's {self.names[i]} is on {t.device} but its "
+                    f"{self.names[0]} is on {tensors[0].device}; move them to one CUDA device."
+                )
+            pointer = t.data_ptr()
+            pointers.append(pointer)
+            tensor_key.append((t.dtype, pointer % 16 == 0))
+        first_int = len(tensors)
+        int_key = tuple(
+            n >= 2**31 if first_int + i in self.unspecialised else _int_key(n)
+            for i, n in enumerate(ints)
+        )
+        options = plan[2]
+        key = (device, plan[3], options["num_warps"], options.get("maxnreg"))
+        key += (tuple(tensor_key), int_key)
         compiled = self.compiled.get(key) if _DIRECT_LAUNCH else None
         if compiled is not None:
             try:
                 # Positional in signature order: runtime arguments, then the compile-time values
                 # (Triton's launcher skips those, as it does when it launches through the JIT).
-                compiled[grid](*args, *plan[3])
+                if _no_launch_hooks():
+                    compiled.run(
+                        *grid,
+                        torch._C._cuda_getCurrentRawStream(device),
+                        compiled.function,
+                        compiled.packed_metadata,
+                        None,  # launch metadata, for the hooks
+                        None,
+                        None,
+                        *pointers,
+                        *ints,
+                        *plan[3],
+                    )
+                else:
+                    compiled[grid](*tensors, *ints, *plan[3])
                 return
-            except TypeError:
-                # A Triton whose compiled-kernel launcher takes other arguments: the launch was
-                # refused before any kernel ran, so go through Triton's own entry point, now and
-                # from here on.
+            except (TypeError, AttributeError):
+                # A Triton whose compiled kernels launch differently: the launch was refused
+                # before any kernel ran, so go through Triton's own entry point, now and from
+                # here on.
                 _DIRECT_LAUNCH = False
-        compiled = self.kernel[grid](*args, **plan[2])
+        compiled = self.kernel[grid](*tensors, *ints, **options)
         if _DIRECT_LAUNCH and isinstance(compiled, triton.compiler.CompiledKernel):
             self.compiled[key] = compiled
 
@@ -1154,7 +1212,7 @@ class _Launcher:
 _forward_launcher = _Launcher(_activation_fwd_kernel)
 _flat_launcher = _Launcher(_unary_fwd_flat_kernel)
 _flat_backward_launcher = _Launcher(_unary_bwd_flat_kernel)
-_backward_launcher = _Launcher(_activation_bwd_kernel)
+_backward_launcher = _Launcher(_activation_bwd_kernel, unspecialised=("rows_per_program",))
 
 
 def uses_flat_kernel(v, backward: bool) -> bool:
@@ -1178,18 +1236,8 @@ def triton_forward(v, x, bias, probs, params) -> torch.Tensor:
         return out
     plan = _forward_plan(v, F, x.element_size())
     grid = _tile_grid(_cdiv(rows, plan[0]), _cdiv(F, plan[1]), plan)
-    key = (
-        x.device.index,
-        plan[3],
-        plan[2]["num_warps"],
-        _ptr_key(x),
-        _ptr_key(bias),
-        _ptr_key(probs),
-        _ptr_key(params),
-    )
-    key += (_ptr_key(out), _int_key(rows), _int_key(F))
     with _device_guard(x):
-        _forward_launcher(grid, (x, bias, probs, params, out, rows, F), plan, key)
+        _forward_launcher(grid, (x, bias, probs, params, out), (rows, F), plan)
     return out
 
 
@@ -1221,11 +1269,8 @@ def _flat_shape(v, kernel, n: int, itemsize: int) -> tuple:
 
 def _flat_forward(v, x, bias, probs, params, out, n: int, F: int) -> None:
     plan = _flat_shape(v, _unary_fwd_flat_kernel, n, x.element_size())
-    args = (x, bias, probs, params, out, n, F)
-    key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:5]))
-    key += (_int_key(n), _int_key(F))
     with _device_guard(x):
-        _flat_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
+        _flat_launcher((_cdiv(n, plan[0]), 1, 1), (x, bias, probs, params, out), (n, F), plan)
 
 
 def _bias_programs(v, F: int, plan, itemsize: int) -> int:
@@ -1283,11 +1328,8 @@ def triton_backward(
     if uses_flat_kernel(v, backward=True):
         n = rows * F
         plan = _flat_shape(v, _unary_bwd_flat_kernel, n, x.element_size())
-        args = (grad, x, params, dx, n)
-        key = (x.device.index, plan[3], plan[2]["num_warps"], *(_ptr_key(t) for t in args[:4]))
-        key += (_int_key(n),)
         with _device_guard(x):
-            _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), args, plan, key)
+            _flat_backward_launcher((_cdiv(n, plan[0]), 1, 1), (grad, x, params, dx), (n,), plan)
         return dx, None, None
     plan = _backward_plan(v, F, x.element_size())
     # An aligned plan's split is a multiple of 16 (_row_split), which its kernel relies on.
@@ -1302,16 +1344,11 @@ def triton_backward(
     if v.has_probs:
         part_shape = (rows, 1) if col_blocks == 1 else (col_blocks, rows, 1)
         dprobs_part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
-    args = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part, rows, F, rows_per_program)
-    key = (x.device.index, plan[3], plan[2]["num_warps"], plan[2].get("maxnreg"))
-    key += (
-        *(_ptr_key(t) for t in args[:8]),
-        _int_key(rows),
-        _int_key(F),
-        rows_per_program >= 2**31,  # do_not_specialize: only its integer width matters
-    )
+    tensors = (grad, x, bias, probs, params, dx, dbias_part, dprobs_part)
     with _device_guard(x):
-        _backward_launcher(_tile_grid(row_programs, col_blocks, plan), args, plan, key)
+        _backward_launcher(
+            _tile_grid(row_programs, col_blocks, plan), tensors, (rows, F, rows_per_program), plan
+        )
     dbias = dbias_part.sum(dim=0).to(bias.dtype) if v.has_bias else None
     dprobs = None
     if v.has_probs:

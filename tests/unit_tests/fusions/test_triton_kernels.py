@@ -1137,36 +1137,145 @@ def test_cuda_triton_matches_te_op(name, weighted):
         assert_close_to_reference(dx, xr.grad, torch.bfloat16, f"{run} {name} dx")
 
 
+class _FakeCompiled:
+    """Stands in for Triton's CompiledKernel: records how it was launched."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.launches = []
+        self.function, self.packed_metadata = "function", "metadata"
+
+    def run(self, *args):
+        if self.refuse:
+            raise TypeError("launcher takes other arguments")
+        self.launches.append(("run", args))
+
+    def __getitem__(self, grid):
+        def launch(*args):
+            if self.refuse:
+                raise TypeError("launcher takes other arguments")
+            self.launches.append(("grid", grid, args))
+
+        return launch
+
+
+class _FakeKernel:
+    """Stands in for a ``@triton.jit`` function with pointers ``x`` and ``bias``, integers ``n``
+    and ``m`` (``m`` unspecialised) and one compile-time value; each launch returns
+    ``compiled``."""
+
+    arg_names = ["x_ptr", "bias_ptr", "n", "m", "BLOCK"]
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.calls += 1
+            return self.compiled
+
+        return run
+
+
+_FAKE_PLAN = (1, 1, {"BLOCK": 4, "num_warps": 1}, (4,))
+
+
+def _fake_launcher(monkeypatch, compiled):
+    from mcore_activations.fusions import triton_kernels as tk
+
+    monkeypatch.setattr(tk.triton.compiler, "CompiledKernel", _FakeCompiled)
+    monkeypatch.setattr(tk, "_DIRECT_LAUNCH", True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    kernel = _FakeKernel(compiled)
+    return tk, kernel, tk._Launcher(kernel, unspecialised=("m",))
+
+
 def test_direct_launch_falls_back_to_triton_when_the_launcher_differs(monkeypatch):
     """Users run other Triton releases: if a cached kernel's launcher refuses the arguments,
     the call goes through Triton's own entry point instead, and so do all later calls."""
+    tk, kernel, launcher = _fake_launcher(monkeypatch, _FakeCompiled(refuse=True))
+    x = torch.zeros(4)
+    for expected_calls in (1, 2, 3):
+        launcher((1, 1, 1), (x, None), (4, 5), _FAKE_PLAN)
+        assert kernel.calls == expected_calls
+    assert tk._DIRECT_LAUNCH is False
+
+
+def test_direct_launch_passes_raw_pointers_and_the_current_stream(monkeypatch):
+    """A cached kernel is launched through its launcher with the stream, no launch metadata or
+    hooks, pointers as integers (None where absent), the integers, then the compile-time values;
+    a value class the cache has not seen goes through Triton again, one only unspecialised
+    integers differ in does not."""
+    compiled = _FakeCompiled()
+    tk, kernel, launcher = _fake_launcher(monkeypatch, compiled)
+    monkeypatch.setattr(tk, "_no_launch_hooks", lambda: True)
+    x = torch.zeros(8)
+    launcher((3, 1, 1), (x, None), (32, 5), _FAKE_PLAN)
+    assert kernel.calls == 1 and not compiled.launches
+    launcher((3, 1, 1), (x, None), (48, 7), _FAKE_PLAN)  # same classes: 48 % 16 == 0, 7 != 1
+    expected = (3, 1, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), None)
+    assert compiled.launches == [("run", expected + (48, 7, 4))]
+    launcher((3, 1, 1), (x, None), (33, 7), _FAKE_PLAN)  # 33 is not a multiple of 16
+    assert kernel.calls == 2 and len(compiled.launches) == 1
+
+
+def test_direct_launch_calls_triton_launch_hooks_when_set(monkeypatch):
+    """With a launch hook installed (a profiler's), cached kernels launch through the compiled
+    kernel's own entry point, which calls the hooks; without, they do not."""
+    tk, kernel, launcher = _fake_launcher(monkeypatch, _FakeCompiled())
+    if tk._RUNTIME_KNOBS is None:
+        pytest.skip("this Triton has no launch hook knobs")
+    x = torch.zeros(8)
+    launcher((1, 1, 1), (x, None), (8, 1), _FAKE_PLAN)
+    assert tk._no_launch_hooks()
+
+    def hook(metadata):
+        pass
+
+    tk._RUNTIME_KNOBS.launch_enter_hook.add(hook)
+    try:
+        assert not tk._no_launch_hooks()
+        launcher((1, 1, 1), (x, None), (8, 1), _FAKE_PLAN)
+    finally:
+        tk._RUNTIME_KNOBS.launch_enter_hook.remove(hook)
+    assert kernel.compiled.launches == [("grid", (1, 1, 1), (x, None, 8, 1, 4))]
+
+
+def test_launcher_refuses_tensors_on_another_device(monkeypatch):
+    """A raw pointer is not checked downstream, so a tensor on another device than the first is
+    refused, by name, before anything launches."""
+    tk, kernel, launcher = _fake_launcher(monkeypatch, _FakeCompiled())
+    x = torch.zeros(8)
+    other = torch.zeros(8, device="meta")
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 0 if t.is_meta else -1)
+    with pytest.raises(RuntimeError, match="activation kernel's bias is on meta but its x is"):
+        launcher((1, 1, 1), (x, other), (8, 1), (1, 1, {"num_warps": 1}, ()))
+    assert kernel.calls == 0
+
+
+@pytest.mark.gpu
+def test_cuda_launcher_knows_the_unspecialised_integers():
+    """The direct launcher's cache key treats an integer as Triton does: by value class, or by
+    width alone where the kernel says ``do_not_specialize``."""
     from mcore_activations.fusions import triton_kernels as tk
 
-    class Compiled:
-        def __getitem__(self, grid):
-            def launch(*args):
-                raise TypeError("launcher takes other arguments")
+    for launcher in (
+        tk._forward_launcher,
+        tk._flat_launcher,
+        tk._flat_backward_launcher,
+        tk._backward_launcher,
+    ):
+        params = launcher.kernel.params
+        assert launcher.unspecialised == {p.num for p in params if p.do_not_specialize}
 
-            return launch
 
-    class Kernel:
-        calls = 0
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                Kernel.calls += 1
-                return Compiled()
-
-            return run
-
-    monkeypatch.setattr(tk.triton.compiler, "CompiledKernel", Compiled)
-    monkeypatch.setattr(tk, "_DIRECT_LAUNCH", True)
-    launcher = tk._Launcher(Kernel())
-    plan = (1, 1, {"BLOCK_M": 1}, (1,))
-    for expected_calls in (1, 2, 3):
-        launcher((1, 1, 1), ("x",), plan, ("key",))
-        assert Kernel.calls == expected_calls
-    assert tk._DIRECT_LAUNCH is False
+@pytest.mark.gpu
+def test_cuda_cpu_bias_is_refused():
+    spec = SPECS["swiglu_clamp"]
+    x = torch.randn(8, 64, device="cuda")
+    with use_kernel_backend("triton"), pytest.raises(RuntimeError, match="bias is on cpu"):
+        fused_activation(x, spec, bias=torch.zeros(64))
 
 
 @pytest.mark.gpu
