@@ -681,6 +681,13 @@ _FWD_TILE, _FWD_WARPS = 4096, 8
 # 8192) 4 warps lost 0.1-0.2, and the forwards without a bias or without probabilities, at
 # 0.97-1.02 with 8 warps, keep them.
 _FWD_WARPS_PROBS_BIAS_NARROW = 4
+# Two kinds keep 8 warps at 1024-column blocks (F = 2880, three blocks, the last one masked):
+# ReGLU, the lightest in arithmetic, and SiTU-GLU with a linear scale, the heaviest. H200, bf16,
+# 65536 x 2880, raw forward / copy floor, 4 -> 8 warps (docs/performance.md, session 18, runs
+# 76-77): ReGLU 1.066 -> 0.995 (bias only: 0.973), SiTU-GLU(4,25) 1.547 -> 1.484 (1.489); every
+# other kind lost: SwiGLU 0.985 -> 1.033, clamped SwiGLU 0.985 -> 1.163, quick-GEGLU 1.000 ->
+# 1.112, GEGLU 0.976 -> 1.073, SiTU-GLU(4) 1.315 -> 1.337.
+_FWD_WARPS_PROBS_BIAS_KEEP_BLOCK_N = 1024
 _BWD_TILE, _BWD_WARPS = 4096, 8  # non-gated, unweighted
 _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 columns
 # Weighted: rows per program, columns per warp (8 per thread at 256) and the widest column block.
@@ -874,6 +881,7 @@ def _forward_plan(v, F, itemsize: int):
             _FWD_TILE,
             _FWD_WARPS,
             _FWD_WARPS_PROBS_BIAS_NARROW,
+            _FWD_WARPS_PROBS_BIAS_KEEP_BLOCK_N,
             _FWD_MAX_BLOCK_N,
             fast_div,
             _COLUMNS_FASTEST,
@@ -888,14 +896,19 @@ def _probs_bias_forward_plan(
     tile: int,
     warps: int,
     narrow_warps: int,
+    keep_block_n: int,
     max_block_n: int,
     fast_div: bool,
     columns_fastest: bool,
 ):
     """The weighted forward's plan with a bias, for 16-bit GLUs: the general tile, over
     ``narrow_warps`` (``_FWD_WARPS_PROBS_BIAS_NARROW``) where the column block is narrower than
-    ``max_block_n``; cached, as ``_plan`` is (the arguments after ``F`` are module constants)."""
-    if _block_n(F, max_block_n) < max_block_n:
+    ``max_block_n``, except for ReGLU and SiTU-GLU with a linear scale at column blocks of
+    ``keep_block_n`` or more (``_FWD_WARPS_PROBS_BIAS_KEEP_BLOCK_N``); cached, as ``_plan`` is
+    (the arguments after ``F`` are module constants)."""
+    block_n = _block_n(F, max_block_n)
+    keeps = block_n >= keep_block_n and (v.kind == "relu" or v.linear_tanh)
+    if block_n < max_block_n and not keeps:
         warps = narrow_warps
     return _plan(v, F, tile, warps, max_block_n, fast_div, columns_fastest)
 

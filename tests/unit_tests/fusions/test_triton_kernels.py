@@ -176,6 +176,12 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
         ("quick_geglu_gpt_oss", True, True, torch.float16, 2880, 4),
         ("situ_glu", True, True, torch.bfloat16, 768, 4),
         ("swiglu_clamp", True, True, torch.bfloat16, 8192, 8),
+        # ... but ReGLU and SiTU-GLU with a linear scale keep 8 at 1024-column blocks.
+        ("reglu", True, True, torch.bfloat16, 2880, 8),
+        ("situ_glu", True, True, torch.bfloat16, 2880, 8),
+        ("situ_glu_gate_only", True, True, torch.bfloat16, 2880, 4),
+        ("reglu", True, True, torch.bfloat16, 1536, 4),
+        ("situ_glu", True, True, torch.float16, 1536, 4),
         # Everything else keeps the general forward plan.
         ("swiglu_clamp", True, True, torch.float32, 1536, 8),
         ("swiglu_clamp", True, False, torch.bfloat16, 1536, 8),
