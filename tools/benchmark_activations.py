@@ -196,9 +196,12 @@ def batch_calls(T: int, width: int, floor_ms: float = 0.0, min_batch_ms: float =
     return calls
 
 
-def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0, with_bias=False):
+def bench(
+    name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0, with_bias=False, repeats=7
+):
     """Times every candidate on one configuration; returns a result row (``min_batch_ms``: see
-    :func:`batch_calls`; ``with_bias``: a bias of the input's width, with its gradient)."""
+    :func:`batch_calls`; ``with_bias``: a bias of the input's width, with its gradient;
+    ``repeats``: turns of :func:`time_interleaved`, whose median each time is)."""
     width = 2 * H if spec.gated else H
     size = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
@@ -240,7 +243,7 @@ def bench(name, spec, T, H, dtype, weighted, with_eager, min_batch_ms=0.0, with_
         calls = batch_calls(T, width, floor_ms, min_batch_ms)
         row[f"calls_{suffix}"] = calls
         with torch.no_grad() if suffix == "fwd" else torch.enable_grad():
-            for label, ms in time_interleaved(group, calls).items():
+            for label, ms in time_interleaved(group, calls, repeats).items():
                 row[f"{label}_{suffix}_ms"] = ms
     return row
 
@@ -344,8 +347,17 @@ def main(argv=None):
         help="time at least this many ms of the floor per batch (default: 20-200 calls by size; "
         "the JSON rows record the calls as calls_fwd / calls_fwd_bwd)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=7,
+        help="turns per row, each time the median over them (default 7; host-bound rows, "
+        "whose host time moves by 10-20 %% between batches, settle with more)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_activations needs a CUDA GPU")
     env = environment()
@@ -355,7 +367,11 @@ def main(argv=None):
         if not selected(args, name, T, H, dtype):
             continue
         eager = with_eager and not args.no_eager
-        rows.append(bench(name, spec, T, H, dtype, weighted, eager, args.min_batch_ms, args.bias))
+        rows.append(
+            bench(
+                name, spec, T, H, dtype, weighted, eager, args.min_batch_ms, args.bias, args.repeats
+            )
+        )
         torch.cuda.empty_cache()
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))

@@ -56,3 +56,15 @@ def test_row_filters_select_by_spec_width_rows_and_dtype():
     picked = rows(spec=["GELU"], h=[1536], t=[65536], dtype=["bfloat16"])
     assert picked == [("GELU", 65536, 1536, torch.bfloat16)]
     assert rows(t=[65536], h=[2048]) == []  # 4096 x 2048 is the only H = 2048 shape
+
+
+def test_repeats_must_be_positive():
+    """``--repeats 0`` would time nothing and take the median of no samples: refused by name
+    before anything needs a GPU."""
+    import pytest
+
+    from tools.benchmark_activations import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--repeats", "0"])
+    assert refused.value.code == 2
