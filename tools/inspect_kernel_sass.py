@@ -9,7 +9,11 @@ ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` w
 number of SASS instructions between the first and the last 128-bit load of a program) and the
 *instructions per element* (the kernel's static SASS instruction count, prologue and padding
 included, and in parentheses its special-function ``MUFU`` ones - exponentials, reciprocals -
-over the output elements one thread computes per trip). A span of a few dozen means every
+over the output elements one thread computes per trip), and the *loop per element*: the
+instructions of the kernel's longest loop (the backward's walk over a program's rows, where it
+has one) over the same elements. A program with a bias walks a hundred rows or more, so the
+loop, not the whole kernel, is what runs: the whole-kernel count credits plans with more
+elements a trip for their prologue, the loop count does not. A span of a few dozen means every
 streamed input is in flight at once; a span of hundreds means ptxas deferred a load until an
 earlier one was consumed, so each program waits for memory twice. Registers bound how many
 warps an SM holds (65536 registers; 64 per thread leaves 32 warps of 4-warp programs, 56 leaves
@@ -159,8 +163,8 @@ def _usage_and_sass(compiled) -> tuple[str, str]:
 
 
 def sass_report(compiled) -> dict:
-    """``{"registers", "local_bytes", "shared_bytes", "load_span", "instructions", "mufu"}`` of a
-    compiled kernel (local memory is where spilled registers go)."""
+    """``{"registers", "local_bytes", "shared_bytes", "load_span", "instructions", "mufu",
+    "loop"}`` of a compiled kernel (local memory is where spilled registers go)."""
     return parse_report(*_usage_and_sass(compiled))
 
 
@@ -182,6 +186,15 @@ def parse_report(usage: str, sass: str) -> dict:
         for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?LDG\.E\.128\b", sass)
     ]
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+    # Loops end in a branch back to their first instruction; the longest is the row loop. (The
+    # branch to itself after EXIT is padding, not a loop.)
+    spans = [
+        (int(at, 16) - int(target, 16)) // 16 + 1
+        for at, target in re.findall(
+            r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+(?:`\()?0x([0-9a-f]+)", sass
+        )
+        if int(target, 16) < int(at, 16)
+    ]
     return {
         "registers": field("REG"),
         "local_bytes": field("LOCAL"),
@@ -189,6 +202,7 @@ def parse_report(usage: str, sass: str) -> dict:
         "load_span": offsets[-1] - offsets[0] if offsets else None,
         "instructions": len(opcodes),
         "mufu": opcodes.count("MUFU"),
+        "loop": max(spans) if spans else None,
     }
 
 
@@ -232,7 +246,8 @@ def main(argv=None):
         if other is None:
             print(
                 "registers / local (spill) bytes / load span (SASS instructions) / SASS "
-                "instructions (MUFU) per element of a thread, per kernel"
+                "instructions (MUFU) per element of a thread / the longest loop's instructions "
+                "per element ('-': no loop), per kernel"
             )
         else:
             print(f"SASS of this tree against {args.compare}, per kernel")
@@ -277,7 +292,8 @@ def _cell(spec, args, dtype, has_probs: bool, backward: bool, other) -> str:
         r = sass_report(mine)
         n = elements_per_thread(plan)
         per_element = f"{r['instructions'] / n:.1f} ({r['mufu'] / n:.1f})"
-        return f"{r['registers']} / {r['local_bytes']} / {r['load_span']} / {per_element}"
+        loop = f"{r['loop'] / n:.1f}" if r["loop"] is not None else "-"
+        return f"{r['registers']} / {r['local_bytes']} / {r['load_span']} / {per_element} / {loop}"
     theirs, _ = _compiled(other, v, args, dtype, has_probs, backward)
     return "same" if sass_text(mine) == sass_text(theirs) else "differs"
 

@@ -31,21 +31,28 @@ SASS = """
         /*0a60*/              @!P1 LDG.E.128 R4, desc[UR18][R2.64] ;
         /*1b00*/                   MUFU.EX2 R12, R6 ;
         /*1b40*/               @P1 STG.E.128 desc[UR18][R2.64], R4 ;
+        /*1b50*/               @P0 BRA 0x6c0 ;
+        /*1b60*/                   EXIT ;
+        /*1b70*/                   BRA 0x1b70;
 """
 
 
 def test_parse_report_reads_registers_and_the_load_span():
     report = parse_report(USAGE, SASS)
-    # 128-bit loads at byte offsets 0x670 and 0xa60: 63 instructions of 16 bytes apart.
+    # 128-bit loads at byte offsets 0x670 and 0xa60: 63 instructions of 16 bytes apart. The
+    # branch at 0x1b50 back to 0x6c0 closes a loop of 330 instructions of 16 bytes; the one to
+    # itself after EXIT is padding.
     assert report == {
         "registers": 56,
         "local_bytes": 8,
         "shared_bytes": 16,
         "load_span": 63,
-        "instructions": 6,
+        "instructions": 9,
         "mufu": 1,
+        "loop": 330,
     }
     assert parse_report(USAGE, "")["load_span"] is None
+    assert parse_report(USAGE, "")["loop"] is None
 
 
 def test_elements_per_thread_of_tiled_and_flat_plans():
@@ -120,11 +127,13 @@ def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
     cells = [c.strip() for c in row.strip("|").split("|")[1:]]
     assert len(cells) == 4  # forward, backward, each with and without probabilities
     for cell in cells:
-        registers, local, span, per_element = (part.strip() for part in cell.split("/"))
+        registers, local, span, per_element, loop = (part.strip() for part in cell.split("/"))
         assert 16 <= int(registers) <= 255 and int(local) >= 0 and span != "None"
         instructions, mufu = per_element.rstrip(")").split(" (")
         # SwiGLU's sigmoid: one exponential and one reciprocal per element, a few dozen in all.
         assert 10 < float(instructions) < 200 and 1.5 < float(mufu) < 4
+        # Without a bias each program takes one tile: no row loop.
+        assert loop == "-"
 
 
 def test_parse_candidate_and_shape():
