@@ -1,7 +1,7 @@
 """What the compiler made of the activation kernels, without a GPU.
 
 Usage: ``python tools/inspect_kernel_sass.py [--ffn 8192] [--rows 16384] [--dtype bfloat16]
-[--arch 90] [--bias] [--cases NAME ...] [--compare REV]``
+[--arch 90] [--bias] [--cases NAME ...] [--compare REV] [--candidate NAME=VALUE[,...]]``
 
 Compiles the Triton kernels of each activation for an NVIDIA architecture on any machine (Triton
 ships ptxas and cuobjdump in its wheel), at the launch plan ``triton_kernels`` would use at width
@@ -19,6 +19,9 @@ earlier one was consumed, so each program waits for memory twice. Registers boun
 warps an SM holds (65536 registers; 64 per thread leaves 32 warps of 4-warp programs, 56 leaves
 36), and so how much memory traffic hides latency. An SM issues one instruction per clock per
 scheduler, so a kernel with many instructions per element can be bound by issue, not memory.
+
+``--candidate`` sets ``triton_kernels`` constants first (as ``benchmark_kernel_ab`` does), so a
+plan can be read in SASS before it is timed.
 
 ``--compare REV`` (a git revision or a copy of ``triton_kernels.py``) prints, per kernel,
 whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to the same
@@ -49,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
 from tools.benchmark_kernel_ab import CASES as AB_CASES  # noqa: E402
-from tools.benchmark_kernel_ab import load_baseline  # noqa: E402
+from tools.benchmark_kernel_ab import load_baseline, parse_candidate  # noqa: E402
 
 # The activations of the A/B benchmark, once each (its float32 entries repeat a bf16 one; the
 # dtype here is --dtype).
@@ -225,7 +228,15 @@ def main(argv=None):
         help="report whether each kernel's SASS is identical to that of REV (a git revision or a "
         "copy of triton_kernels.py) instead of registers and load spans",
     )
+    parser.add_argument(
+        "--candidate",
+        type=parse_candidate,
+        default={},
+        help="NAME=VALUE[,NAME=VALUE...]: triton_kernels constants to set first",
+    )
     args = parser.parse_args(argv)
+    for name, value in args.candidate.items():
+        setattr(tk, name, value)
     names = args.cases
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -242,7 +253,11 @@ def main(argv=None):
                     f"--compare: {args.compare}'s triton_kernels has no {', '.join(missing)} "
                     "(added in session 8, 2026-12-01); compare against a later revision"
                 )
-        print(f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}")
+        candidate = ", ".join(f"{k}={v}" for k, v in args.candidate.items())
+        print(
+            f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}"
+            + (f", {candidate}" if candidate else "")
+        )
         if other is None:
             print(
                 "registers / local (spill) bytes / load span (SASS instructions) / SASS "

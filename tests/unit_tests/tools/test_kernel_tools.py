@@ -205,3 +205,20 @@ def test_inspect_kernel_sass_compares_sass_with_another_copy(tmp_path):
     assert result.returncode == 0, result.stderr
     row = [line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)")]
     assert row == ["| SwiGLU(clamp=7) | same | same | same | differs |"], result.stdout
+
+
+def test_inspect_kernel_sass_candidate_sets_constants_before_compiling(tmp_path):
+    """``--candidate`` changes this tree's constants only: against an unchanged copy, twice the
+    warps for the weighted backward differ there and only there (as the edited copy does in the
+    test above)."""
+    copy = tmp_path / "triton_kernels.py"
+    copy.write_text((ROOT / "mcore_activations/fusions/triton_kernels.py").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "tools/inspect_kernel_sass.py", "--ffn", "1536"]
+    command += ["--cases", "SwiGLU(clamp=7)", "--compare", str(copy)]
+    command += ["--candidate", "_BWD_PROBS_COLUMNS_PER_WARP=128"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "_BWD_PROBS_COLUMNS_PER_WARP=128" in result.stdout.splitlines()[0]
+    row = [line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)")]
+    assert row == ["| SwiGLU(clamp=7) | same | same | same | differs |"], result.stdout
