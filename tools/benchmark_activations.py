@@ -201,7 +201,7 @@ def bench(
 ):
     """Times every candidate on one configuration; returns a result row (``min_batch_ms``: see
     :func:`batch_calls`; ``with_bias``: a bias of the input's width, with its gradient;
-    ``repeats``: turns of :func:`time_interleaved`, whose median each time is)."""
+    ``repeats``: the turns of :func:`time_interleaved`; each time is their median)."""
     width = 2 * H if spec.gated else H
     size = torch.tensor([], dtype=dtype).element_size()
     x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
@@ -219,6 +219,7 @@ def bench(
         "H": H,
         "weighted": weighted,
         "bias": with_bias,
+        "repeats": repeats,
     }
     found = candidates(spec, weighted, with_eager, bias)
 

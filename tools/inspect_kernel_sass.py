@@ -11,7 +11,8 @@ number of SASS instructions between the first and the last 128-bit load of a pro
 included, and in parentheses its special-function ``MUFU`` ones - exponentials, reciprocals -
 over the output elements one thread computes per trip), and the *loop per element*: the
 instructions of the kernel's longest loop (the backward's walk over a program's rows, where it
-has one) over the same elements. A program with a bias walks a hundred rows or more, so the
+has one; found as the branch back to an address, ``BRA 0x...``, that spans the most
+instructions) over the same elements. A program with a bias walks a hundred rows or more, so the
 loop, not the whole kernel, is what runs: the whole-kernel count credits plans with more
 elements a trip for their prologue, the loop count does not. A span of a few dozen means every
 streamed input is in flight at once; a span of hundreds means ptxas deferred a load until an

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mcore_activations.fusions.activation_ops import use_kernel_backend  # noqa: E402
 from mcore_activations.fusions.fused_activation import fused_activation  # noqa: E402
 from tools.benchmark_activations import SPECS  # noqa: E402
 
@@ -67,7 +68,11 @@ def summarize(steps: list[list[Kernel]]) -> dict:
             a profile of one configuration should never show.
     """
     if len(steps) < 2:
-        raise ValueError(f"need at least two steps to time a period, got {len(steps)}")
+        raise ValueError(
+            f"need at least two steps to time a period, got {len(steps)}: the profile has "
+            f"{'no' if not steps else 'one'} forward kernel of the fused path (names containing "
+            f"{' or '.join(FORWARD_KERNELS)}); is the Triton backend running?"
+        )
     names = [[k.name for k in step] for step in steps]
     if any(n != names[0] for n in names):
         distinct = sorted({tuple(n) for n in names})
@@ -126,14 +131,16 @@ def profile(spec, T: int, H: int, dtype, with_probs: bool, with_bias: bool, step
                 leaf.grad = None
         fused_activation(x, spec, bias=bias, probs=probs).backward(grad)
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
+    # The Triton kernels whatever MCORE_ACTIVATIONS_BACKEND says: they are what is profiled.
+    with use_kernel_backend("triton"):
+        for _ in range(5):
             step()
         torch.cuda.synchronize()
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
     return [
         Kernel(e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -152,10 +159,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.steps < 3:
-        parser.error(
-            f"--steps must be at least 3 (a period needs two whole steps), got {args.steps}"
-        )
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2 (a period needs two steps), got {args.steps}")
     if not torch.cuda.is_available():
         raise SystemExit("profile_activation_step needs a CUDA GPU")
     kernels = profile(

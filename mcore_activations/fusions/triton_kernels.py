@@ -1115,14 +1115,30 @@ def _device_guard(x: torch.Tensor):
 _NO_GUARD = contextlib.nullcontext()  # reusable: it holds no state
 
 
-_DIRECT_LAUNCH = os.environ.get("MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH", "1") != "0"
+# ROCm stays on Triton's entry point: its AMD backend also specialises a pointer on whether the
+# tensor's storage fits buffer instructions (2 GiB), which the launcher's key does not model.
+_DIRECT_LAUNCH = (
+    os.environ.get("MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH", "1") != "0" and not torch.version.hip
+)
 # Triton's launch hooks (profilers such as proton install them), or None before Triton had knobs.
 _RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def _int_key(n: int) -> tuple[bool, bool, bool]:
-    # What Triton specialises an integer argument on: == 1, divisible by 16, 64-bit.
+    # What Triton specialises an integer argument on: == 1, divisible by 16, 64-bit. (Triton
+    # also tells negative values below -2**31 and unsigned ones of 2**63 or more apart; the
+    # kernels' integers are sizes and counts, never either.)
     return n == 1, n % 16 == 0, n >= 2**31
+
+
+def _unspecialised_arguments(kernel) -> set[str]:
+    # The names the kernel's @triton.jit(do_not_specialize=...) lists: Triton keeps them on the
+    # JIT function, the interpreter (TRITON_INTERPRET=1) among the decorator's keyword arguments.
+    listed = getattr(kernel, "do_not_specialize", None)
+    if listed is None:
+        listed = getattr(kernel, "kwargs", {}).get("do_not_specialize")
+    names = list(kernel.arg_names)
+    return {names[i] if isinstance(i, int) else i for i in listed or ()}
 
 
 def _no_launch_hooks() -> bool:
@@ -1150,18 +1166,18 @@ class _Launcher:
     key call its launcher with the current stream and raw pointers, which Triton's C launcher
     takes as they are instead of asking the driver about each tensor. Tensors on another device
     than the first are refused first: a raw pointer is not checked downstream. Where launch hooks
-    are set, the launch goes through the compiled kernel's ``[grid]`` entry, which calls them.
+    are set (a profiler's, which may also instrument the code it compiles), every launch goes
+    through Triton's own entry point, which compiles for them and calls them.
     ``MCORE_ACTIVATIONS_TRITON_DIRECT_LAUNCH=0`` turns all this off (every call goes through
-    Triton).
+    Triton), as does ROCm.
     """
 
-    def __init__(self, kernel, unspecialised: tuple[str, ...] = ()):
+    def __init__(self, kernel):
         names = list(kernel.arg_names)
-        unknown = [name for name in unspecialised if name not in names]
-        assert not unknown, f"{unknown} are not arguments of {kernel}"
         self.kernel = kernel
         self.names = [name.removesuffix("_ptr") for name in names]  # for error messages
-        self.unspecialised = frozenset(names.index(name) for name in unspecialised)
+        unspecialised = _unspecialised_arguments(kernel)
+        self.unspecialised = frozenset(i for i, name in enumerate(names) if name in unspecialised)
         self.compiled: dict = {}
 
     def __call__(self, grid, tensors: tuple, ints: tuple, plan: tuple) -> None:
@@ -1191,26 +1207,24 @@ class _Launcher:
         options = plan[2]
         key = (device, plan[3], options["num_warps"], options.get("maxnreg"))
         key += (tuple(tensor_key), int_key)
-        compiled = self.compiled.get(key) if _DIRECT_LAUNCH else None
+        direct = _DIRECT_LAUNCH and _no_launch_hooks()
+        compiled = self.compiled.get(key) if direct else None
         if compiled is not None:
             try:
-                # Positional in signature order: runtime arguments, then the compile-time values
-                # (Triton's launcher skips those, as it does when it launches through the JIT).
-                if _no_launch_hooks():
-                    compiled.run(
-                        *grid,
-                        torch._C._cuda_getCurrentRawStream(device),
-                        compiled.function,
-                        compiled.packed_metadata,
-                        None,  # launch metadata, for the hooks
-                        None,
-                        None,
-                        *pointers,
-                        *ints,
-                        *plan[3],
-                    )
-                else:
-                    compiled[grid](*tensors, *ints, *plan[3])
+                # Positional in signature order, as Triton's own launch passes them: runtime
+                # arguments, then the compile-time values (which its launcher skips).
+                compiled.run(
+                    *grid,
+                    torch._C._cuda_getCurrentRawStream(device),
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,  # no launch metadata and no enter / exit hooks
+                    None,
+                    None,
+                    *pointers,
+                    *ints,
+                    *plan[3],
+                )
                 return
             except (TypeError, AttributeError):
                 # A Triton whose compiled kernels launch differently: the launch was refused
@@ -1218,14 +1232,17 @@ class _Launcher:
                 # here on.
                 _DIRECT_LAUNCH = False
         compiled = self.kernel[grid](*tensors, *ints, **options)
-        if _DIRECT_LAUNCH and isinstance(compiled, triton.compiler.CompiledKernel):
+        if direct and _DIRECT_LAUNCH and isinstance(compiled, triton.compiler.CompiledKernel):
+            # Triton 3.7's launcher reads as many arguments as the signature has without
+            # counting them: a launch that passed fewer would read past them, not fail.
+            assert len(tensors) + len(ints) + len(plan[3]) == len(self.names), self.names
             self.compiled[key] = compiled
 
 
 _forward_launcher = _Launcher(_activation_fwd_kernel)
 _flat_launcher = _Launcher(_unary_fwd_flat_kernel)
 _flat_backward_launcher = _Launcher(_unary_bwd_flat_kernel)
-_backward_launcher = _Launcher(_activation_bwd_kernel, unspecialised=("rows_per_program",))
+_backward_launcher = _Launcher(_activation_bwd_kernel)
 
 
 def uses_flat_kernel(v, backward: bool) -> bool:

@@ -1171,6 +1171,7 @@ class _FakeKernel:
     ``compiled``."""
 
     arg_names = ["x_ptr", "bias_ptr", "n", "m", "BLOCK"]
+    do_not_specialize = ["m"]
 
     def __init__(self, compiled):
         self.compiled = compiled
@@ -1187,14 +1188,16 @@ class _FakeKernel:
 _FAKE_PLAN = (1, 1, {"BLOCK": 4, "num_warps": 1}, (4,))
 
 
-def _fake_launcher(monkeypatch, compiled):
+def _fake_launcher(monkeypatch, compiled, hooks_off=True):
     from mcore_activations.fusions import triton_kernels as tk
 
     monkeypatch.setattr(tk.triton.compiler, "CompiledKernel", _FakeCompiled)
     monkeypatch.setattr(tk, "_DIRECT_LAUNCH", True)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    if hooks_off:
+        monkeypatch.setattr(tk, "_no_launch_hooks", lambda: True)
     kernel = _FakeKernel(compiled)
-    return tk, kernel, tk._Launcher(kernel, unspecialised=("m",))
+    return tk, kernel, tk._Launcher(kernel)
 
 
 def test_direct_launch_falls_back_to_triton_when_the_launcher_differs(monkeypatch):
@@ -1210,31 +1213,43 @@ def test_direct_launch_falls_back_to_triton_when_the_launcher_differs(monkeypatc
 
 def test_direct_launch_passes_raw_pointers_and_the_current_stream(monkeypatch):
     """A cached kernel is launched through its launcher with the stream, no launch metadata or
-    hooks, pointers as integers (None where absent), the integers, then the compile-time values;
-    a value class the cache has not seen goes through Triton again, one only unspecialised
-    integers differ in does not."""
+    hooks, pointers as integers (None where absent), the integers, then the compile-time values.
+    Calls whose integers differ only where the kernel does not specialise (``m``) share it; a
+    specialised integer of another value class, a pointer of another alignment or dtype each
+    go through Triton again."""
     compiled = _FakeCompiled()
     tk, kernel, launcher = _fake_launcher(monkeypatch, compiled)
-    monkeypatch.setattr(tk, "_no_launch_hooks", lambda: True)
-    x = torch.zeros(8)
+    x = torch.zeros(16)
     launcher((3, 1, 1), (x, None), (32, 5), _FAKE_PLAN)
     assert kernel.calls == 1 and not compiled.launches
-    launcher((3, 1, 1), (x, None), (48, 7), _FAKE_PLAN)  # same classes: 48 % 16 == 0, 7 != 1
-    expected = (3, 1, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), None)
-    assert compiled.launches == [("run", expected + (48, 7, 4))]
-    launcher((3, 1, 1), (x, None), (33, 7), _FAKE_PLAN)  # 33 is not a multiple of 16
-    assert kernel.calls == 2 and len(compiled.launches) == 1
+    for m in (7, 16, 1):  # not specialised: 16 and 1 would be other classes for ``n``
+        launcher((3, 1, 1), (x, None), (48, m), _FAKE_PLAN)  # 48: a multiple of 16, as 32 is
+    head = (3, 1, 1, 1234, "function", "metadata", None, None, None, x.data_ptr(), None)
+    assert compiled.launches == [("run", head + (48, m, 4)) for m in (7, 16, 1)]
+    assert kernel.calls == 1
+    for expected_calls, args in enumerate(
+        [
+            ((x, None), (33, 5)),  # 33 is not a multiple of 16
+            ((x[1:], None), (32, 5)),  # 4 bytes past a 16-byte boundary
+            ((x.double(), None), (32, 5)),  # another dtype
+        ],
+        start=2,
+    ):
+        launcher((3, 1, 1), *args, _FAKE_PLAN)
+        assert kernel.calls == expected_calls
+    assert len(compiled.launches) == 3
 
 
 def test_direct_launch_calls_triton_launch_hooks_when_set(monkeypatch):
-    """With a launch hook installed (a profiler's), cached kernels launch through the compiled
-    kernel's own entry point, which calls the hooks; without, they do not."""
-    tk, kernel, launcher = _fake_launcher(monkeypatch, _FakeCompiled())
+    """With a launch hook installed (a profiler's, which may also instrument what it compiles),
+    every launch goes through Triton's own entry point, which compiles for the hooks and calls
+    them; with the hook removed, the cached kernel launches directly again."""
+    tk, kernel, launcher = _fake_launcher(monkeypatch, _FakeCompiled(), hooks_off=False)
     if tk._RUNTIME_KNOBS is None:
         pytest.skip("this Triton has no launch hook knobs")
     x = torch.zeros(8)
     launcher((1, 1, 1), (x, None), (8, 1), _FAKE_PLAN)
-    assert tk._no_launch_hooks()
+    assert tk._no_launch_hooks() and kernel.calls == 1
 
     def hook(metadata):
         pass
@@ -1243,9 +1258,11 @@ def test_direct_launch_calls_triton_launch_hooks_when_set(monkeypatch):
     try:
         assert not tk._no_launch_hooks()
         launcher((1, 1, 1), (x, None), (8, 1), _FAKE_PLAN)
+        assert kernel.calls == 2 and not kernel.compiled.launches
     finally:
         tk._RUNTIME_KNOBS.launch_enter_hook.remove(hook)
-    assert kernel.compiled.launches == [("grid", (1, 1, 1), (x, None, 8, 1, 4))]
+    launcher((1, 1, 1), (x, None), (8, 1), _FAKE_PLAN)
+    assert kernel.calls == 2 and len(kernel.compiled.launches) == 1
 
 
 def test_launcher_refuses_tensors_on_another_device(monkeypatch):
@@ -1258,6 +1275,17 @@ def test_launcher_refuses_tensors_on_another_device(monkeypatch):
     with pytest.raises(RuntimeError, match="activation kernel's bias is on meta but its x is"):
         launcher((1, 1, 1), (x, other), (8, 1), (1, 1, {"num_warps": 1}, ()))
     assert kernel.calls == 0
+
+
+def test_launchers_take_the_unspecialised_integers_from_the_kernels():
+    """Only the backward's row split is unspecialised, as its decorator says, whether Triton
+    compiles the kernels or the interpreter runs them."""
+    from mcore_activations.fusions import triton_kernels as tk
+
+    backward = tk._activation_bwd_kernel.arg_names.index("rows_per_program")
+    assert tk._backward_launcher.unspecialised == {backward}
+    for launcher in (tk._forward_launcher, tk._flat_launcher, tk._flat_backward_launcher):
+        assert launcher.unspecialised == frozenset()
 
 
 @pytest.mark.gpu
