@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
 from tools.benchmark_kernel_ab import CASES as AB_CASES  # noqa: E402
-from tools.benchmark_kernel_ab import load_baseline, parse_candidate  # noqa: E402
+from tools.benchmark_kernel_ab import candidate_label, load_baseline, parse_candidate  # noqa: E402
 
 # The activations of the A/B benchmark, once each (its float32 entries repeat a bf16 one; the
 # dtype here is --dtype).
@@ -254,7 +254,7 @@ def main(argv=None):
                     f"--compare: {args.compare}'s triton_kernels has no {', '.join(missing)} "
                     "(added in session 8, 2026-12-01); compare against a later revision"
                 )
-        candidate = ", ".join(f"{k}={v}" for k, v in args.candidate.items())
+        candidate = candidate_label(args.candidate)
         print(
             f"sm_{args.arch}, {args.dtype}, F = {args.ffn}, bias: {args.bias}"
             + (f", {candidate}" if candidate else "")

@@ -1306,6 +1306,8 @@ def test_cuda_launcher_knows_the_unspecialised_integers():
 
 @pytest.mark.gpu
 def test_cuda_cpu_bias_is_refused():
+    """A CPU bias beside a CUDA input is refused by name before any launch (as a raw pointer it
+    would fault on the GPU)."""
     spec = SPECS["swiglu_clamp"]
     x = torch.randn(8, 64, device="cuda")
     with use_kernel_backend("triton"), pytest.raises(RuntimeError, match="bias is on cpu"):

@@ -5,12 +5,12 @@ import pytest
 from tools.profile_activation_step import Kernel, main, markdown, split_steps, summarize
 
 
-def _steps(period=100.0, n=4, skew=0.0):
+def _steps(period=100.0, n=4):
     # Each step: a forward kernel of 30 us, 10 us idle, a backward kernel of 50 us; the next step
     # starts ``period`` us after this one.
     kernels = [Kernel("sum_kernel", -20.0, -10.0)]  # the tail of a step cut by the profile
     for s in range(n):
-        t = s * period + (skew if s % 2 else 0.0)
+        t = s * period
         kernels += [
             Kernel("_activation_bwd_kernel", t + 40.0, t + 90.0),
             Kernel("_activation_fwd_kernel", t, t + 30.0),
