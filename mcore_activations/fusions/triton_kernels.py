@@ -522,6 +522,7 @@ def _activation_bwd_kernel(
     FAST_DIV: tl.constexpr,
     COLUMNS_FASTEST: tl.constexpr,
     ROWS_ALIGNED: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -558,12 +559,14 @@ def _activation_bwd_kernel(
                 acc_l = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     # Without a bias a program takes one row block (one trip); with one, each program walks a fixed
     # row range in order, so the bias partial sums do not depend on scheduling. That loop loads
-    # each trip's inputs one trip ahead (the loads are masked to the program's rows, so nothing
-    # past them is read): loading, computing and storing in turn left memory idle while a
-    # program computed, and the arithmetic is the same either way, so are the bits. H200, raw
-    # backward with bias / copy floor, before -> after (docs/performance.md, run 34): bf16
-    # SwiGLU(clamp=7) 1.27 -> 1.24 at 65536 x 1536, weighted 1.56 -> 1.38 at 65536 x 1536 and
-    # 1.63 -> 1.35 at 16384 x 8192, fp32 weighted 1.49 -> 1.09.
+    # each trip's inputs one trip ahead (LOOP_STAGES == 0; the loads are masked to the program's
+    # rows, so nothing past them is read), or has Triton pipeline them LOOP_STAGES - 1 trips
+    # ahead through shared memory (_BWD_BIAS_STAGES says where each is used). Loading,
+    # computing and storing in turn left memory idle while a program computed, and the
+    # arithmetic is the same either way, so are the bits. H200, raw backward with bias / copy
+    # floor, in turn -> one trip ahead (docs/performance.md, run 34): bf16 SwiGLU(clamp=7) 1.27
+    # -> 1.24 at 65536 x 1536, weighted 1.56 -> 1.38 at 65536 x 1536 and 1.63 -> 1.35 at 16384
+    # x 8192, fp32 weighted 1.49 -> 1.09.
     if HAS_BIAS:
         span = rows_per_program
         if ROWS_ALIGNED:
@@ -574,18 +577,18 @@ def _activation_bwd_kernel(
         span = BLOCK_M
     row_base = pid_m * span
     columns = (cols, col_ok, gcol, lcol)
-    if HAS_BIAS:
+    if HAS_BIAS and LOOP_STAGES == 0:
         row_end = tl.minimum(rows, row_base + span)
         row = row_base + tl.arange(0, BLOCK_M)
         ahead = _bwd_loads(
             grad_ptr, x_ptr, probs_ptr, row, row < row_end, columns, F, GATED, HAS_PROBS
         )
-    for m in range(0, span, BLOCK_M):
+    for m in tl.range(0, span, BLOCK_M, num_stages=LOOP_STAGES):
         row = row_base + m + tl.arange(0, BLOCK_M)
         row_ok = row < rows
         mask = row_ok[:, None] & col_ok[None, :]
         row64 = row.to(tl.int64)[:, None]
-        if HAS_BIAS:
+        if HAS_BIAS and LOOP_STAGES == 0:
             g_raw, gate_raw, lin_raw, p_raw = ahead  # loaded on the previous trip
             load_row = row + BLOCK_M
             load_ok = load_row < row_end
@@ -595,7 +598,7 @@ def _activation_bwd_kernel(
         loaded = _bwd_loads(
             grad_ptr, x_ptr, probs_ptr, load_row, load_ok, columns, F, GATED, HAS_PROBS
         )
-        if HAS_BIAS:
+        if HAS_BIAS and LOOP_STAGES == 0:
             ahead = loaded
         else:
             g_raw, gate_raw, lin_raw, p_raw = loaded
@@ -695,7 +698,8 @@ _BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
 # Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop
-# where the column block is 1024 wide, the register cap there for the kinds heavy in
+# where the column block is 1024 wide (SiTU-GLU with a linear scale; the other kinds take one
+# row, _BWD_PROBS_BIAS_WIDE_STAGES), the register cap there for the kinds heavy in
 # transcendentals, and the cap for narrower column blocks (one row per trip), which 16-bit GLUs
 # with a bias and without probabilities share (_has_narrow_glu_bias_plan).
 _BWD_PROBS_BIAS_ROWS = 2
@@ -780,6 +784,38 @@ _GLU_BIAS_ALIGNED_BLOCK_N = 1024
 # ReLU moved by -0.10 to +0.02 and the float32 weighted kernels by -0.02 to +0.13 (runs 60-61;
 # the latter with the rows rounded but the kernel not told, an earlier form of the alignment).
 _BIAS_ROWS_ALIGNED = False
+# How the backward's row loop with a bias keeps memory busy (the kernel's LOOP_STAGES): 0 loads
+# each trip's inputs one trip ahead into registers; N >= 2 has Triton pipeline the loop's loads
+# through shared memory (cp.async; tl.range's num_stages), N - 1 trips ahead, which costs 2-4 SASS
+# instructions an element (the copies, the shared-memory reads, the waits) but no registers. The
+# summation order, and so every bit, is the same either way. H200, raw backward with a bias /
+# copy floor, register prefetch -> this (docs/performance.md, session 19, runs 81-82):
+# - _BWD_BIAS_STAGES: the unweighted 16-bit plans with a bias that walk 1024-column blocks over
+#   4 or 8 warps (GLUs at F >= 2048 and the non-gated kinds; float32 keeps 0: within 0.01 or up
+#   to 0.03 slower). At 16384 x 8192 every GLU kind 1.15-1.31 -> 1.13-1.15 (clamped SwiGLU 1.207
+#   -> 1.134, SiTU-GLU(4,25) 1.307 -> 1.147), at 65536 x 2880 1.12-1.37 -> 1.11-1.15; squared
+#   ReLU 1.27 -> 1.19 at 65536 x 1536, 1.50 -> 1.30 at 65536 x 768. The general weighted plan
+#   (float32 GLUs, non-gated kinds) takes it where a trip's row segment is at most
+#   _BWD_PROBS_BIAS_STAGED_BYTES: its 1024 programs of one or two warps leave 8-16 warps an SM,
+#   each then with more in flight (float32 clamped SwiGLU at 65536 x 768 1.306 -> 1.188, squared
+#   ReLU at 65536 x 1536 1.392 -> 1.161), while 4-warp rows lost (squared ReLU 1.094 -> 1.220 at
+#   16384 x 8192, float32 at 65536 x 1536 1.092 -> 1.132).
+# - _BWD_BIAS_NARROW_STAGES: the one-row plan of 16-bit GLUs (F < 2048, 20 warps an SM under its
+#   register cap), where 2-4 stages lost 0.01-0.15 (SwiGLU at 65536 x 768 1.273 -> 1.387 with 3),
+#   except for SiTU-GLU with a linear scale, the heaviest in arithmetic
+#   (_BWD_BIAS_NARROW_TANH_STAGES): 1.256 -> 1.183 at 65536 x 1536, 1.412 -> 1.349 at 65536 x
+#   768; weighted 1.383 -> 1.324 and 1.548 -> 1.497.
+# - _BWD_PROBS_BIAS_WIDE_STAGES: the weighted plan at 1024-column blocks, where one row a trip so
+#   pipelined replaces two rows a trip (_BWD_PROBS_BIAS_ROWS) with register prefetch for every kind
+#   but SiTU-GLU with a linear scale (16384 x 8192 1.243 -> 1.417, 65536 x 2880 1.333 -> 1.521).
+#   Clamped SwiGLU 1.179 -> 1.098 at 16384 x 8192 and 1.260 -> 1.144 at 65536 x 2880,
+#   quick-GEGLU 1.181 -> 1.118 and 1.260 -> 1.182, GEGLU 1.155 -> 1.121 and 1.210 -> 1.158,
+#   SiTU-GLU(4) 1.164 -> 1.131 and 1.214 -> 1.159, SwiGLU and ReGLU within +0.03 / -0.01.
+_BWD_BIAS_STAGES = 4
+_BWD_PROBS_BIAS_STAGED_BYTES = 1024
+_BWD_BIAS_NARROW_STAGES = 0
+_BWD_BIAS_NARROW_TANH_STAGES = 3
+_BWD_PROBS_BIAS_WIDE_STAGES = 4
 # The divisibility Triton's hints speak of: an aligned split (ROWS_ALIGNED) is a multiple of it,
 # small calls included, whose one to three rows per program round up to 16 (fewer, longer
 # programs). H200, bf16 unweighted GLU backward with a bias, raw, rounded / not (session 14,
@@ -835,6 +871,7 @@ def _plan(
     columns_fastest: bool,
     max_registers: Optional[int] = None,
     rows_aligned: Optional[bool] = None,
+    loop_stages: int = 0,
 ) -> tuple[int, int, dict, tuple]:
     """``(BLOCK_M, BLOCK_N, compile-time kwargs, their values in signature order)`` of variant
     ``v`` at width ``F``; cached because the host cost of a launch matters for the small calls
@@ -865,6 +902,7 @@ def _plan(
     if rows_aligned is not None:
         kernel = _activation_bwd_kernel
         kwargs["ROWS_ALIGNED"] = rows_aligned and v.has_bias  # only a bias splits the rows
+        kwargs["LOOP_STAGES"] = loop_stages if v.has_bias else 0
     if max_registers is not None:
         kwargs["maxnreg"] = max_registers
     params = [name for name in kernel.arg_names if name in kwargs]
@@ -945,6 +983,8 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_PROBS_COLUMNS_PER_WARP,
             fast_div,
             _COLUMNS_FASTEST,
+            _BWD_PROBS_BIAS_WIDE_STAGES,
+            _narrow_stages(v),
         )
     if _has_narrow_glu_bias_plan(v, F, itemsize):
         # The weighted plan's one row per trip, without probabilities (_BIAS_PROGRAMS_NARROW).
@@ -957,6 +997,8 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_BIAS_NARROW_MAX_REGISTERS,
             fast_div,
             _COLUMNS_FASTEST,
+            False,
+            _narrow_stages(v),
         )
     if v.has_probs:
         _require_power_of_two("_BWD_PROBS_ROWS", _BWD_PROBS_ROWS)
@@ -970,6 +1012,7 @@ def _backward_plan(v, F, itemsize: int):
             fast_div,
             _COLUMNS_FASTEST,
             _BIAS_ROWS_ALIGNED,
+            _general_probs_stages(F, itemsize),
         )
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
@@ -983,6 +1026,7 @@ def _backward_plan(v, F, itemsize: int):
             fast_div,
             _COLUMNS_FASTEST,
             rows_aligned=_block_n(F, _BWD_MAX_BLOCK_N) >= _GLU_BIAS_ALIGNED_BLOCK_N,
+            loop_stages=_BWD_BIAS_STAGES if itemsize <= 2 else 0,
         )
     return _plan(
         v,
@@ -993,6 +1037,7 @@ def _backward_plan(v, F, itemsize: int):
         fast_div,
         _COLUMNS_FASTEST,
         rows_aligned=_BIAS_ROWS_ALIGNED,
+        loop_stages=_BWD_BIAS_STAGES if itemsize <= 2 else 0,
     )
 
 
@@ -1008,30 +1053,37 @@ def _probs_bias_backward_plan(
     columns_per_warp: int,
     fast_div: bool,
     columns_fastest: bool,
+    wide_stages: int,
+    narrow_stages: int,
 ):
     """The weighted backward's plan with a bias, for 16-bit GLUs; cached, as ``_plan`` is (the
     arguments after ``v`` and ``F`` are the module constants).
 
     With a bias each program walks a range of rows, and every trip ends in the probability
     gradient's cross-warp sum (a barrier). Where the column block is 1024 wide
-    (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip takes ``_BWD_PROBS_BIAS_ROWS`` rows: the warps
-    still split the columns, so each thread holds the trip's rows of its columns and the bias
-    gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one
-    barrier serves several rows. SiTU-GLU and the GELUs then take a register cap
+    (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip takes one row, its loads pipelined
+    ``_BWD_PROBS_BIAS_WIDE_STAGES`` deep, except for SiTU-GLU with a linear scale, whose trips
+    take ``_BWD_PROBS_BIAS_ROWS`` rows loaded one trip ahead in registers: the warps still split
+    the columns, so each thread holds the trip's rows of its columns and the bias gradient's sum
+    over them stays in registers (the kernel's 1-D accumulators), while one barrier serves
+    several rows. SiTU-GLU and the GELUs take a register cap there
     (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
     ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp
-    programs or twice as many 1-warp ones (``_bias_programs``). H200, bf16, raw backward /
-    copy floor, one row uncapped -> this plan (docs/performance.md, session 12, run 52; runs
-    50-51 timed the parts), 16384 x 8192: clamped SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 ->
-    1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24, SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x
-    1536 (512-column blocks, 1024 programs): 1.34 -> 1.31, 1.30 -> 1.27, 1.26 -> 1.25, 1.32 ->
-    1.29, 1.42 -> 1.41.
+    programs or twice as many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a
+    linear scale (``_BWD_BIAS_NARROW_TANH_STAGES``). H200, bf16, raw backward / copy floor, one
+    row uncapped -> two rows a trip (docs/performance.md, session 12, run 52; runs 50-51 timed
+    the parts; session 19's pipelined rows at ``_BWD_BIAS_STAGES``), 16384 x 8192: clamped
+    SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
+    SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024 programs): 1.34 -> 1.31,
+    1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
     Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
     _require_power_of_two("_BWD_PROBS_BIAS_ROWS", two_row_rows)
     if _block_n(F, max_block_n) >= wide_block_n:
-        rows = two_row_rows
+        # One row a trip with the loop pipelined (wide_stages), or for SiTU-GLU with a linear
+        # scale two rows a trip loaded one ahead in registers (_BWD_PROBS_BIAS_WIDE_STAGES).
+        rows, stages = (two_row_rows, 0) if v.linear_tanh else (1, wide_stages)
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
         cap = max_registers if heavy else None
         # Kinds that bound the linear half (a clamp, a tanh) ran faster with aligned rows.
@@ -1040,10 +1092,31 @@ def _probs_bias_backward_plan(
         rows = 1
         cap = narrow_max_registers
         aligned = False
+        stages = narrow_stages
     # Columns per warp scale with the rows, so the warps split only the columns.
     return _probs_backward_plan(
-        v, F, rows, max_block_n, columns_per_warp * rows, cap, fast_div, columns_fastest, aligned
+        v,
+        F,
+        rows,
+        max_block_n,
+        columns_per_warp * rows,
+        cap,
+        fast_div,
+        columns_fastest,
+        aligned,
+        stages,
     )
+
+
+def _narrow_stages(v) -> int:
+    # The one-row plan's loop stages (_BWD_BIAS_NARROW_STAGES).
+    return _BWD_BIAS_NARROW_TANH_STAGES if v.linear_tanh else _BWD_BIAS_NARROW_STAGES
+
+
+def _general_probs_stages(F: int, itemsize: int) -> int:
+    # The general weighted plan's loop stages with a bias (_BWD_PROBS_BIAS_STAGED_BYTES).
+    segment = _block_n(F, _BWD_PROBS_MAX_BLOCK_N) * itemsize
+    return _BWD_BIAS_STAGES if segment <= _BWD_PROBS_BIAS_STAGED_BYTES else 0
 
 
 def _require_power_of_two(name: str, rows: int) -> None:
@@ -1067,6 +1140,7 @@ def _probs_backward_plan(
     fast_div: bool,
     columns_fastest: bool,
     rows_aligned: bool = False,
+    loop_stages: int = 0,
 ):
     """``rows`` rows of one column block per program, ``columns_per_warp`` columns of it per
     warp, for the backward with probabilities (and, one row under the narrow register cap, for
@@ -1089,7 +1163,16 @@ def _probs_backward_plan(
     warps = max(1, rows * block_n // columns_per_warp)
     tile = rows * block_n
     return _plan(
-        v, F, tile, warps, max_block_n, fast_div, columns_fastest, max_registers, rows_aligned
+        v,
+        F,
+        tile,
+        warps,
+        max_block_n,
+        fast_div,
+        columns_fastest,
+        max_registers,
+        rows_aligned,
+        loop_stages,
     )
 
 

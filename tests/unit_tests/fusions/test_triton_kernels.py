@@ -142,30 +142,125 @@ def test_column_block(ffn, max_block_n, expected):
 @pytest.mark.parametrize(
     "name,dtype,ffn,expected",
     [
-        # 16-bit GLUs, 1024-column blocks: two rows per trip over 4 warps (the columns split
-        # between the warps, the rows held by each thread), a register cap for the heavy kinds.
-        ("swiglu_clamp", torch.bfloat16, 8192, (2, 1024, 4, None)),
-        ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128)),
-        ("geglu", torch.float16, 8192, (2, 1024, 4, 128)),
-        # Narrower blocks: one row over 2 warps, the narrow cap.
-        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 96)),
-        # float32 and non-gated kinds keep the general weighted plan.
-        ("swiglu_clamp", torch.float32, 8192, (1, 1024, 4, None)),
-        ("squared_relu", torch.bfloat16, 8192, (1, 1024, 4, None)),
+        # 16-bit GLUs, 1024-column blocks: one row per trip over 4 warps, its loads pipelined,
+        # a register cap for the heavy kinds; SiTU-GLU with a linear scale takes two rows per
+        # trip (the columns split between the warps, the rows held by each thread), loaded one
+        # trip ahead.
+        ("swiglu_clamp", torch.bfloat16, 8192, (1, 1024, 4, None, 4)),
+        ("situ_glu_gate_only", torch.bfloat16, 8192, (1, 1024, 4, 128, 4)),
+        ("geglu", torch.float16, 8192, (1, 1024, 4, 128, 4)),
+        ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128, 0)),
+        # Narrower blocks: one row over 2 warps, the narrow cap, pipelined only for SiTU-GLU
+        # with a linear scale.
+        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 96, 0)),
+        ("situ_glu", torch.float16, 1536, (1, 512, 2, 96, 3)),
+        # float32 and non-gated kinds keep the general weighted plan, pipelined where a trip's
+        # row segment is at most 1 KiB.
+        ("swiglu_clamp", torch.float32, 8192, (1, 1024, 4, None, 0)),
+        ("swiglu_clamp", torch.float32, 768, (1, 256, 1, None, 4)),
+        ("squared_relu", torch.bfloat16, 8192, (1, 1024, 4, None, 0)),
+        ("squared_relu", torch.bfloat16, 1536, (1, 512, 2, None, 4)),
     ],
 )
 def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
     """The plan ``_probs_bias_backward_plan`` picks, and that the general weighted plan (no
-    bias) is untouched by it: one row per program, no cap."""
+    bias) is untouched by it: one row per program, no cap, no loop to pipeline."""
     from mcore_activations.fusions import triton_kernels
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
     plan = triton_kernels._backward_plan(variant, ffn, itemsize)
-    assert (plan[0], plan[1], plan[2]["num_warps"], plan[2].get("maxnreg")) == expected
+    options = plan[2]
+    got = (plan[0], plan[1], options["num_warps"], options.get("maxnreg"), options["LOOP_STAGES"])
+    assert got == expected
     unbiased = KernelVariant.of(SPECS[name], has_bias=False, has_probs=True)
     plan = triton_kernels._backward_plan(unbiased, ffn, itemsize)
-    assert (plan[0], plan[2].get("maxnreg")) == (1, None)
+    assert (plan[0], plan[2].get("maxnreg"), plan[2]["LOOP_STAGES"]) == (1, None, 0)
+
+
+@pytest.mark.parametrize(
+    "name,dtype,ffn,stages",
+    [
+        # 16-bit GLUs at 1024-column blocks and 16-bit non-gated kinds: pipelined.
+        ("swiglu_clamp", torch.bfloat16, 8192, 4),
+        ("situ_glu", torch.float16, 2880, 4),
+        ("squared_relu", torch.bfloat16, 1536, 4),
+        # The one-row plan of narrower 16-bit GLUs: only SiTU-GLU with a linear scale.
+        ("swiglu_clamp", torch.bfloat16, 1536, 0),
+        ("situ_glu", torch.bfloat16, 768, 3),
+        # float32 loads one trip ahead in registers.
+        ("swiglu_clamp", torch.float32, 8192, 0),
+        ("squared_relu", torch.float32, 1536, 0),
+    ],
+)
+def test_unweighted_backward_loop_stages(name, dtype, ffn, stages):
+    """How the unweighted backward with a bias keeps its row loop's loads in flight (the kernel's
+    ``LOOP_STAGES``: 0 one trip ahead in registers, N pipelined N - 1 trips ahead); without a
+    bias a program takes one trip and nothing is pipelined."""
+    from mcore_activations.fusions import triton_kernels
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=False)
+    assert triton_kernels._backward_plan(variant, ffn, itemsize)[2]["LOOP_STAGES"] == stages
+    unbiased = KernelVariant.of(SPECS[name], has_bias=False, has_probs=False)
+    if not triton_kernels.uses_flat_kernel(unbiased, backward=True):
+        assert triton_kernels._backward_plan(unbiased, ffn, itemsize)[2]["LOOP_STAGES"] == 0
+
+
+_STAGE_CONSTANTS = (
+    "_BWD_BIAS_STAGES",
+    "_BWD_BIAS_NARROW_STAGES",
+    "_BWD_BIAS_NARROW_TANH_STAGES",
+    "_BWD_PROBS_BIAS_WIDE_STAGES",
+)
+
+
+@pytest.mark.parametrize("device", BOTH)
+@pytest.mark.parametrize(
+    "name,dtype,ffn,has_probs",
+    [
+        ("swiglu_clamp", torch.bfloat16, 1024, False),  # the GLU tile plan
+        ("quick_geglu_gpt_oss", torch.bfloat16, 1024, True),  # the weighted one-row wide plan
+        ("situ_glu", torch.float16, 300, True),  # the one-row narrow plan, linear tanh
+        ("situ_glu", torch.bfloat16, 300, False),
+        ("squared_relu", torch.bfloat16, 500, True),  # the general weighted plan
+        ("squared_relu_tanh", torch.bfloat16, 1000, False),  # the non-gated plan
+        ("swiglu_clamp", torch.float32, 200, True),  # the general weighted plan, float32
+    ],
+)
+def test_pipelined_row_loop_matches_register_prefetch_bit_for_bit(
+    name, dtype, ffn, has_probs, device, monkeypatch
+):
+    """Every plan whose row loop is pipelined (``LOOP_STAGES`` >= 2) gives the same bits as the
+    same plan loading one trip ahead in registers: the arithmetic and the summation order are
+    the same, only where the loads wait differs. A few programs, each walking several trips,
+    the last one past the rows."""
+    from mcore_activations.fusions import triton_kernels
+
+    spec = SPECS[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    variant = KernelVariant.of(spec, has_bias=True, has_probs=has_probs)
+    assert triton_kernels._backward_plan(variant, ffn, itemsize)[2]["LOOP_STAGES"] >= 2
+    for constant in ("_BIAS_PROGRAMS", "_BIAS_PROGRAMS_GLU", "_BIAS_PROGRAMS_NARROW"):
+        monkeypatch.setattr(triton_kernels, constant, 6)
+    for constant in ("_BIAS_PROGRAMS_PROBS_WIDE", "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"):
+        monkeypatch.setattr(triton_kernels, constant, 3)
+    torch.manual_seed(0)
+    rows, width = 37, 2 * ffn if spec.gated else ffn
+    x = (torch.randn(rows, width) * 3).to(device, dtype)
+    bias = torch.randn(width).to(device, dtype)
+    probs = torch.rand(rows, 1).to(device) if has_probs else None
+    grad = torch.randn(rows, ffn).to(device, dtype)
+    from mcore_activations.fusions.activation_kernels import params_tensor, spec_params
+
+    params = params_tensor(spec_params(spec), x.device)
+    pipelined = triton_kernels.triton_backward(variant, grad, x, bias, probs, params)
+    for constant in _STAGE_CONSTANTS:
+        monkeypatch.setattr(triton_kernels, constant, 0)
+    assert triton_kernels._backward_plan(variant, ffn, itemsize)[2]["LOOP_STAGES"] == 0
+    prefetched = triton_kernels.triton_backward(variant, grad, x, bias, probs, params)
+    for a, b in zip(pipelined, prefetched):
+        assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -374,24 +469,28 @@ def test_every_aligned_split_is_a_multiple_of_16(name, has_probs, monkeypatch):
 
 @pytest.mark.parametrize("device", BOTH)
 @pytest.mark.parametrize(
-    "name,rows,split",
+    "name,rows,split,trip_rows",
     [
-        # Aligned rows (a clamp): 25 trips of two rows over 3 programs would be 18 rows each;
-        # rounded to 32, two programs, the second 18 rows (9 trips, then 7 empty ones).
-        ("swiglu_clamp", 50, (1, 32, 2)),
-        # 8 rows per program round to 16: 16 rows, then 3 (the last trip half empty).
-        ("swiglu_clamp", 19, (1, 16, 2)),
-        # Unaligned kinds: 10 trips over 3 programs, 8 rows (4 trips) each, the last 3 rows.
-        ("swiglu", 19, (1, 8, 3)),
-        ("situ_glu_gate_only", 19, (1, 8, 3)),
+        # Two rows a trip (SiTU-GLU with a linear scale), aligned rows: 25 trips over 3 programs
+        # would be 18 rows each; rounded to 32, two programs, the second 18 rows (9 trips, then 7
+        # empty ones). 8 rows per program round to 16: 16 rows, then 3 (the last trip half
+        # empty).
+        ("situ_glu", 50, (1, 32, 2), 2),
+        ("situ_glu", 19, (1, 16, 2), 2),
+        # One row a trip, pipelined: aligned (a clamp) 17 rows round to 32 and 7 to 16.
+        ("swiglu_clamp", 50, (1, 32, 2), 1),
+        ("swiglu_clamp", 19, (1, 16, 2), 1),
+        # Unaligned kinds: 19 trips over 3 programs, 7 each, the last 5 rows.
+        ("swiglu", 19, (1, 7, 3), 1),
+        ("situ_glu_gate_only", 19, (1, 7, 3), 1),
     ],
 )
-def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(
-    name, rows, split, device, monkeypatch
+def test_triton_weighted_backward_with_a_bias_at_1024_column_blocks(
+    name, rows, split, trip_rows, device, monkeypatch
 ):
-    """The 16-bit weighted backward with a bias at a 1024-column block: two rows per trip, the
-    bias gradient summed over each trip's rows inside the thread, several programs each looping
-    over several trips, aligned and unaligned rows per program; bf16 and the interleaved
+    """The 16-bit weighted backward with a bias at a 1024-column block: one row per trip, or two
+    with the bias gradient summed over each trip's rows inside the thread, several programs each
+    looping over several trips, aligned and unaligned rows per program; bf16 and the interleaved
     layout."""
     from mcore_activations.fusions import triton_kernels
 
@@ -399,7 +498,7 @@ def test_triton_weighted_backward_with_a_bias_two_rows_per_trip(
         monkeypatch.setattr(triton_kernels, constant, 3)
     variant = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
     plan = triton_kernels._backward_plan(variant, 1024, 2)
-    assert plan[0] == 2
+    assert plan[0] == trip_rows
     assert triton_kernels._row_split(variant, rows, 1024, plan, 2) == split
     with use_kernel_backend("triton"):
         for spec in (SPECS[name], dataclasses.replace(SPECS[name], glu_interleave_size=32)):
@@ -915,6 +1014,21 @@ def test_cuda_triton_every_spec_dtype_bias_probs_interleave(
     spec = spec_of(name, glu_interleave_size=interleave)
     with use_kernel_backend("triton"):
         check_against_reference(spec, dtype, has_bias, has_probs, device="cuda", rows=1031, ffn=352)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("has_probs", [False, True], ids=["", "probs"])
+@pytest.mark.parametrize("ffn", [2048, 768])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_cuda_triton_bias_plans_against_reference(name, dtype, ffn, has_probs):
+    """The backward plans with a bias at the widths where their row loops are pipelined through
+    shared memory (1024-column blocks in 16-bit, 256-column float32 rows of the general weighted
+    plan) or loaded ahead in registers, compiled, against the float64 reference."""
+    with use_kernel_backend("triton"):
+        check_against_reference(
+            SPECS[name], dtype, True, has_probs, device="cuda", rows=1031, ffn=ffn
+        )
 
 
 def _poisoned_cache(nbytes: int):
