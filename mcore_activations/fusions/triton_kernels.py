@@ -806,11 +806,12 @@ _BIAS_ROWS_ALIGNED = False
 #   (_BWD_BIAS_NARROW_TANH_STAGES): 1.256 -> 1.183 at 65536 x 1536, 1.412 -> 1.349 at 65536 x
 #   768; weighted 1.383 -> 1.324 and 1.548 -> 1.497.
 # - _BWD_PROBS_BIAS_WIDE_STAGES: the weighted plan at 1024-column blocks, where one row a trip so
-#   pipelined replaces two rows a trip (_BWD_PROBS_BIAS_ROWS) with register prefetch for every kind
-#   but SiTU-GLU with a linear scale (16384 x 8192 1.243 -> 1.417, 65536 x 2880 1.333 -> 1.521).
-#   Clamped SwiGLU 1.179 -> 1.098 at 16384 x 8192 and 1.260 -> 1.144 at 65536 x 2880,
-#   quick-GEGLU 1.181 -> 1.118 and 1.260 -> 1.182, GEGLU 1.155 -> 1.121 and 1.210 -> 1.158,
-#   SiTU-GLU(4) 1.164 -> 1.131 and 1.214 -> 1.159, SwiGLU and ReGLU within +0.03 / -0.01.
+#   pipelined replaces two rows a trip (_BWD_PROBS_BIAS_ROWS) with register prefetch for the
+#   clamped kinds and the heavy gates: clamped SwiGLU 1.180 -> 1.100 at 16384 x 8192 and 1.258 ->
+#   1.141 at 65536 x 2880, quick-GEGLU 1.184 -> 1.120 and 1.259 -> 1.180, GEGLU 1.153 -> 1.119
+#   and 1.206 -> 1.161, SiTU-GLU(4) 1.162 -> 1.131 and 1.214 -> 1.157. SwiGLU and ReGLU keep two
+#   rows (1.087 -> 1.109 and 1.076 -> 1.110 at 16384 x 8192, level at 65536 x 2880), as does
+#   SiTU-GLU with a linear scale (1.243 -> 1.417 and 1.333 -> 1.521).
 _BWD_BIAS_STAGES = 4
 _BWD_PROBS_BIAS_STAGED_BYTES = 1024
 _BWD_BIAS_NARROW_STAGES = 0
@@ -1081,10 +1082,12 @@ def _probs_bias_backward_plan(
     """
     _require_power_of_two("_BWD_PROBS_BIAS_ROWS", two_row_rows)
     if _block_n(F, max_block_n) >= wide_block_n:
-        # One row a trip with the loop pipelined (wide_stages), or for SiTU-GLU with a linear
-        # scale two rows a trip loaded one ahead in registers (_BWD_PROBS_BIAS_WIDE_STAGES).
-        rows, stages = (two_row_rows, 0) if v.linear_tanh else (1, wide_stages)
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
+        # One row a trip with the loop pipelined (wide_stages) for the clamped kinds and the
+        # heavy gates, two rows a trip loaded one ahead in registers for the light unclamped
+        # ones and SiTU-GLU with a linear scale (_BWD_PROBS_BIAS_WIDE_STAGES).
+        pipelined = (v.clamp or heavy) and not v.linear_tanh
+        rows, stages = (1, wide_stages) if pipelined else (two_row_rows, 0)
         cap = max_registers if heavy else None
         # Kinds that bound the linear half (a clamp, a tanh) ran faster with aligned rows.
         aligned = v.clamp or v.linear_tanh

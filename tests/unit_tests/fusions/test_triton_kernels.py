@@ -143,12 +143,15 @@ def test_column_block(ffn, max_block_n, expected):
     "name,dtype,ffn,expected",
     [
         # 16-bit GLUs, 1024-column blocks: one row per trip over 4 warps, its loads pipelined,
-        # a register cap for the heavy kinds; SiTU-GLU with a linear scale takes two rows per
-        # trip (the columns split between the warps, the rows held by each thread), loaded one
-        # trip ahead.
+        # for the clamped kinds and the heavy gates (a register cap for the latter); the light
+        # unclamped kinds and SiTU-GLU with a linear scale take two rows per trip (the columns
+        # split between the warps, the rows held by each thread), loaded one trip ahead.
         ("swiglu_clamp", torch.bfloat16, 8192, (1, 1024, 4, None, 4)),
+        ("quick_geglu_gpt_oss", torch.bfloat16, 2880, (1, 1024, 4, None, 4)),
         ("situ_glu_gate_only", torch.bfloat16, 8192, (1, 1024, 4, 128, 4)),
         ("geglu", torch.float16, 8192, (1, 1024, 4, 128, 4)),
+        ("swiglu", torch.bfloat16, 8192, (2, 1024, 4, None, 0)),
+        ("reglu", torch.float16, 8192, (2, 1024, 4, None, 0)),
         ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128, 0)),
         # Narrower blocks: one row over 2 warps, the narrow cap, pipelined only for SiTU-GLU
         # with a linear scale.
@@ -480,9 +483,11 @@ def test_every_aligned_split_is_a_multiple_of_16(name, has_probs, monkeypatch):
         # One row a trip, pipelined: aligned (a clamp) 17 rows round to 32 and 7 to 16.
         ("swiglu_clamp", 50, (1, 32, 2), 1),
         ("swiglu_clamp", 19, (1, 16, 2), 1),
-        # Unaligned kinds: 19 trips over 3 programs, 7 each, the last 5 rows.
-        ("swiglu", 19, (1, 7, 3), 1),
+        # An unaligned kind: 19 trips over 3 programs, 7 each, the last 5 rows.
         ("situ_glu_gate_only", 19, (1, 7, 3), 1),
+        # Two rows a trip, unaligned (SwiGLU): 10 trips over 3 programs, 8 rows (4 trips) each,
+        # the last 3 rows.
+        ("swiglu", 19, (1, 8, 3), 2),
     ],
 )
 def test_triton_weighted_backward_with_a_bias_at_1024_column_blocks(
