@@ -903,7 +903,12 @@ def _plan(
     if rows_aligned is not None:
         kernel = _activation_bwd_kernel
         kwargs["ROWS_ALIGNED"] = rows_aligned and v.has_bias  # only a bias splits the rows
-        kwargs["LOOP_STAGES"] = loop_stages if v.has_bias else 0
+        # Only where F is specialised as a multiple of 16 can Triton prove the rows' 16-byte
+        # alignment and copy each thread's 8 or 16 bytes at once; at other widths it pipelines
+        # some loads in 4-byte copies and leaves the output gradient's unpipelined (sm_90 PTX),
+        # a form never timed, so they keep the register prefetch.
+        pipelines = v.has_bias and F % 16 == 0
+        kwargs["LOOP_STAGES"] = loop_stages if pipelines else 0
     if max_registers is not None:
         kwargs["maxnreg"] = max_registers
     params = [name for name in kernel.arg_names if name in kwargs]

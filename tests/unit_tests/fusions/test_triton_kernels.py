@@ -191,9 +191,12 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
         # The one-row plan of narrower 16-bit GLUs: only SiTU-GLU with a linear scale.
         ("swiglu_clamp", torch.bfloat16, 1536, 0),
         ("situ_glu", torch.bfloat16, 768, 3),
-        # float32 loads one trip ahead in registers.
+        # float32 loads one trip ahead in registers, and so does every width that is not a
+        # multiple of 16 (Triton could not prove the rows' alignment, so would not pipeline).
         ("swiglu_clamp", torch.float32, 8192, 0),
         ("squared_relu", torch.float32, 1536, 0),
+        ("swiglu_clamp", torch.bfloat16, 8200, 0),
+        ("situ_glu", torch.bfloat16, 1000, 0),
     ],
 )
 def test_unweighted_backward_loop_stages(name, dtype, ffn, stages):
@@ -224,11 +227,11 @@ _STAGE_CONSTANTS = (
     [
         ("swiglu_clamp", torch.bfloat16, 1024, False),  # the GLU tile plan
         ("quick_geglu_gpt_oss", torch.bfloat16, 1024, True),  # the weighted one-row wide plan
-        ("situ_glu", torch.float16, 300, True),  # the one-row narrow plan, linear tanh
-        ("situ_glu", torch.bfloat16, 300, False),
-        ("squared_relu", torch.bfloat16, 500, True),  # the general weighted plan
-        ("squared_relu_tanh", torch.bfloat16, 1000, False),  # the non-gated plan
-        ("swiglu_clamp", torch.float32, 200, True),  # the general weighted plan, float32
+        ("situ_glu", torch.float16, 304, True),  # the one-row narrow plan, linear tanh
+        ("situ_glu", torch.bfloat16, 304, False),
+        ("squared_relu", torch.bfloat16, 496, True),  # the general weighted plan
+        ("squared_relu_tanh", torch.bfloat16, 1008, False),  # the non-gated plan
+        ("swiglu_clamp", torch.float32, 208, True),  # the general weighted plan, float32
     ],
 )
 def test_pipelined_row_loop_matches_register_prefetch_bit_for_bit(
