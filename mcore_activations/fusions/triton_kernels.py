@@ -697,11 +697,11 @@ _BWD_TILE_ROW, _BWD_WARPS_ROW = 1024, 4  # gated, unweighted: one row of 1024 co
 _BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
-# Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop
-# where the column block is 1024 wide (SiTU-GLU with a linear scale; the other kinds take one
-# row, _BWD_PROBS_BIAS_WIDE_STAGES), the register cap there for the kinds heavy in
-# transcendentals, and the cap for narrower column blocks (one row per trip), which 16-bit GLUs
-# with a bias and without probabilities share (_has_narrow_glu_bias_plan).
+# Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop where
+# the column block is 1024 wide (SwiGLU, ReGLU and SiTU-GLU with a linear scale; the other kinds
+# take one row, _BWD_PROBS_BIAS_WIDE_STAGES), the register cap there for the kinds heavy in
+# transcendentals, and the cap for narrower column blocks (one row per trip), which 16-bit GLUs with
+# a bias and without probabilities share (_has_narrow_glu_bias_plan).
 _BWD_PROBS_BIAS_ROWS = 2
 _BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block that takes several rows a trip
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
@@ -790,21 +790,21 @@ _BIAS_ROWS_ALIGNED = False
 # instructions an element (the copies, the shared-memory reads, the waits) but no registers. The
 # summation order, and so every bit, is the same either way. H200, raw backward with a bias /
 # copy floor, register prefetch -> this (docs/performance.md, session 19, runs 81-82):
-# - _BWD_BIAS_STAGES: the unweighted 16-bit plans with a bias that walk 1024-column blocks over
-#   4 or 8 warps (GLUs at F >= 2048 and the non-gated kinds; float32 keeps 0: within 0.01 or up
-#   to 0.03 slower). At 16384 x 8192 every GLU kind 1.15-1.31 -> 1.13-1.15 (clamped SwiGLU 1.207
-#   -> 1.134, SiTU-GLU(4,25) 1.307 -> 1.147), at 65536 x 2880 1.12-1.37 -> 1.11-1.15; squared
-#   ReLU 1.27 -> 1.19 at 65536 x 1536, 1.50 -> 1.30 at 65536 x 768. The general weighted plan
-#   (float32 GLUs, non-gated kinds) takes it where a trip's row segment is at most
-#   _BWD_PROBS_BIAS_STAGED_BYTES: its 1024 programs of one or two warps leave 8-16 warps an SM,
-#   each then with more in flight (float32 clamped SwiGLU at 65536 x 768 1.306 -> 1.188, squared
-#   ReLU at 65536 x 1536 1.392 -> 1.161), while 4-warp rows lost (squared ReLU 1.094 -> 1.220 at
-#   16384 x 8192, float32 at 65536 x 1536 1.092 -> 1.132).
+# - _BWD_BIAS_STAGES: the unweighted 16-bit GLU plan at 1024-column blocks (F >= 2048; narrower
+#   blocks take the one-row plan) and the unweighted 16-bit non-gated plan; float32 keeps 0 (within
+#   0.01, or up to 0.035 slower). At 16384 x 8192 every GLU kind 1.15-1.31 -> 1.13-1.15 (clamped
+#   SwiGLU 1.207 -> 1.134, SiTU-GLU(4,25) 1.307 -> 1.147), at 65536 x 2880 1.12-1.37 -> 1.11-1.15;
+#   squared ReLU 1.27 -> 1.19 at 65536 x 1536, 1.50 -> 1.30 at 65536 x 768. The general weighted
+#   plan (float32 GLUs, non-gated kinds) takes it where a trip's row segment is at most
+#   _BWD_PROBS_BIAS_STAGED_BYTES: its 1024 programs of one or two warps leave 8-16 warps an SM, each
+#   then with more in flight (float32 clamped SwiGLU at 65536 x 768 1.306 -> 1.188, squared ReLU at
+#   65536 x 1536 1.392 -> 1.161), while 4-warp rows lost (squared ReLU 1.094 -> 1.220 at 16384 x
+#   8192, float32 at 65536 x 1536 1.092 -> 1.132).
 # - _BWD_BIAS_NARROW_STAGES: the one-row plan of 16-bit GLUs (F < 2048, 20 warps an SM under its
-#   register cap), where 2-4 stages lost 0.01-0.15 (SwiGLU at 65536 x 768 1.273 -> 1.387 with 3),
-#   except for SiTU-GLU with a linear scale, the heaviest in arithmetic
-#   (_BWD_BIAS_NARROW_TANH_STAGES): 1.256 -> 1.183 at 65536 x 1536, 1.412 -> 1.349 at 65536 x
-#   768; weighted 1.383 -> 1.324 and 1.548 -> 1.497.
+#   register cap), where 2 stages ran level and 3-4 lost up to 0.15 (SwiGLU at 65536 x 768 1.273 ->
+#   1.387 with 3), except for SiTU-GLU with a linear scale, the heaviest in arithmetic
+#   (_BWD_BIAS_NARROW_TANH_STAGES): 1.256 -> 1.183 at 65536 x 1536, 1.412 -> 1.349 at 65536 x 768;
+#   weighted 1.383 -> 1.324 and 1.548 -> 1.497.
 # - _BWD_PROBS_BIAS_WIDE_STAGES: the weighted plan at 1024-column blocks, where one row a trip so
 #   pipelined replaces two rows a trip (_BWD_PROBS_BIAS_ROWS) with register prefetch for the
 #   clamped kinds and the heavy gates: clamped SwiGLU 1.180 -> 1.100 at 16384 x 8192 and 1.258 ->
@@ -1067,21 +1067,21 @@ def _probs_bias_backward_plan(
 
     With a bias each program walks a range of rows, and every trip ends in the probability
     gradient's cross-warp sum (a barrier). Where the column block is 1024 wide
-    (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip takes one row, its loads pipelined
-    ``_BWD_PROBS_BIAS_WIDE_STAGES`` deep, except for SiTU-GLU with a linear scale, whose trips
-    take ``_BWD_PROBS_BIAS_ROWS`` rows loaded one trip ahead in registers: the warps still split
-    the columns, so each thread holds the trip's rows of its columns and the bias gradient's sum
-    over them stays in registers (the kernel's 1-D accumulators), while one barrier serves
-    several rows. SiTU-GLU and the GELUs take a register cap there
+    (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip of the clamped kinds and the heavy gates takes one
+    row, its loads pipelined ``_BWD_PROBS_BIAS_WIDE_STAGES`` deep; SwiGLU, ReGLU and SiTU-GLU with a
+    linear scale take ``_BWD_PROBS_BIAS_ROWS`` rows a trip loaded one trip ahead in registers: the
+    warps still split the columns, so each thread holds the trip's rows of its columns and the bias
+    gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one barrier
+    serves several rows. SiTU-GLU and the GELUs take a register cap there
     (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
-    ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp
-    programs or twice as many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a
-    linear scale (``_BWD_BIAS_NARROW_TANH_STAGES``). H200, bf16, raw backward / copy floor, one
-    row uncapped -> two rows a trip (docs/performance.md, session 12, run 52; runs 50-51 timed
-    the parts; session 19's pipelined rows at ``_BWD_BIAS_STAGES``), 16384 x 8192: clamped
-    SwiGLU 1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
-    SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024 programs): 1.34 -> 1.31,
-    1.30 -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
+    ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp programs or twice as
+    many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a linear scale
+    (``_BWD_BIAS_NARROW_TANH_STAGES``). H200, bf16, raw backward / copy floor, one row uncapped ->
+    two rows a trip (docs/performance.md, session 12, run 52; runs 50-51 timed the parts; the one
+    pipelined row of session 19 at ``_BWD_PROBS_BIAS_WIDE_STAGES``), 16384 x 8192: clamped SwiGLU
+    1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
+    SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024 programs): 1.34 -> 1.31, 1.30
+    -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
     Two rows without the cap made the heavy kinds 0.2 slower; the cap made the light ones 0.1
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
