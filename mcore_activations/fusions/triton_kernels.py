@@ -561,7 +561,9 @@ def _activation_bwd_kernel(
     # row range in order, so the bias partial sums do not depend on scheduling. That loop loads
     # each trip's inputs one trip ahead (LOOP_STAGES == 0; the loads are masked to the program's
     # rows, so nothing past them is read), or has Triton pipeline them LOOP_STAGES - 1 trips
-    # ahead through shared memory (_BWD_BIAS_STAGES says where each is used). Loading,
+    # ahead through shared memory (_BWD_BIAS_STAGES says where each is used; the prefetches
+    # stop at the loop's bound, and the span is a whole number of BLOCK_M-row trips, so the
+    # rows < rows mask is the only one needed). Loading,
     # computing and storing in turn left memory idle while a program computed, and the
     # arithmetic is the same either way, so are the bits. H200, raw backward with bias / copy
     # floor, in turn -> one trip ahead (docs/performance.md, run 34): bf16 SwiGLU(clamp=7) 1.27
@@ -698,12 +700,13 @@ _BWD_PROBS_ROWS = 1
 _BWD_PROBS_COLUMNS_PER_WARP = 256
 _BWD_PROBS_MAX_BLOCK_N = 1024
 # Weighted with a bias, 16-bit GLUs (_probs_bias_backward_plan): rows per trip of the row loop where
-# the column block is 1024 wide (SwiGLU, ReGLU and SiTU-GLU with a linear scale; the other kinds
-# take one row, _BWD_PROBS_BIAS_WIDE_STAGES), the register cap there for the kinds heavy in
-# transcendentals, and the cap for narrower column blocks (one row per trip), which 16-bit GLUs with
-# a bias and without probabilities share (_has_narrow_glu_bias_plan).
+# the column block is 1024 wide (for the light unclamped kinds, SiTU-GLU with a linear scale and
+# every kind at widths that do not pipeline; the others take one row,
+# _BWD_PROBS_BIAS_WIDE_STAGES), the register cap there for the kinds heavy in transcendentals, and
+# the cap for narrower column blocks (one row per trip), which 16-bit GLUs with a bias and without
+# probabilities share (_has_narrow_glu_bias_plan).
 _BWD_PROBS_BIAS_ROWS = 2
-_BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block that takes several rows a trip
+_BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block of the wide weighted plan
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
 _BWD_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_NARROW follows from it
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
@@ -769,7 +772,8 @@ _BIAS_PROGRAMS_NARROW = 1320
 # (docs/performance.md, session 14, runs 57-61): at 16384 x 2880 (gpt-oss) clamped SwiGLU
 # 1.21 -> 0.99, quick-GEGLU 1.12 -> 1.02, SwiGLU 1.09 -> 1.03, ReGLU 1.07 -> 1.02; at
 # 16384 x 8192 SiTU-GLU(4) 1.05 -> 0.98. Two to four waves ran slower nearly everywhere, and
-# each group lost up to 0.1 with the other group's alignment.
+# each group lost up to 0.1 with the other group's alignment. The same counts serve the one-row
+# pipelined form of that plan (session 19), which was timed with them and not retuned.
 _BIAS_PROGRAMS_PROBS_WIDE = 396
 _BIAS_PROGRAMS_PROBS_WIDE_CAPPED = 528
 # The unweighted GLU backward with a bias keeps its rows per program aligned at column blocks at
@@ -790,16 +794,16 @@ _BIAS_ROWS_ALIGNED = False
 # instructions an element (the copies, the shared-memory reads, the waits) but no registers. The
 # summation order, and so every bit, is the same either way. H200, raw backward with a bias /
 # copy floor, register prefetch -> this (docs/performance.md, session 19, runs 81-82):
-# - _BWD_BIAS_STAGES: the unweighted 16-bit GLU plan at 1024-column blocks (F >= 2048; narrower
-#   blocks take the one-row plan) and the unweighted 16-bit non-gated plan; float32 keeps 0 (within
-#   0.01, or up to 0.035 slower). At 16384 x 8192 every GLU kind 1.15-1.31 -> 1.13-1.15 (clamped
-#   SwiGLU 1.207 -> 1.134, SiTU-GLU(4,25) 1.307 -> 1.147), at 65536 x 2880 1.12-1.37 -> 1.11-1.15;
-#   squared ReLU 1.27 -> 1.19 at 65536 x 1536, 1.50 -> 1.30 at 65536 x 768. The general weighted
-#   plan (float32 GLUs, non-gated kinds) takes it where a trip's row segment is at most
-#   _BWD_PROBS_BIAS_STAGED_BYTES: its 1024 programs of one or two warps leave 8-16 warps an SM, each
-#   then with more in flight (float32 clamped SwiGLU at 65536 x 768 1.306 -> 1.188, squared ReLU at
-#   65536 x 1536 1.392 -> 1.161), while 4-warp rows lost (squared ReLU 1.094 -> 1.220 at 16384 x
-#   8192, float32 at 65536 x 1536 1.092 -> 1.132).
+# - _BWD_BIAS_STAGES: the unweighted 16-bit GLU plan at 1024-column blocks (F = 1024, 2880, 8192,
+#   ...; narrower blocks take the one-row plan) and the unweighted 16-bit non-gated plan; float32
+#   keeps 0 (within 0.01, or up to 0.035 slower). At 16384 x 8192 every GLU kind 1.15-1.31 ->
+#   1.13-1.15 (clamped SwiGLU 1.207 -> 1.134, SiTU-GLU(4,25) 1.307 -> 1.147), at 65536 x 2880
+#   1.12-1.37 -> 1.11-1.15; squared ReLU 1.27 -> 1.19 at 65536 x 1536, 1.50 -> 1.30 at 65536 x 768.
+#   The general weighted plan (float32 GLUs, non-gated kinds) takes it where a trip's row segment is
+#   at most _BWD_PROBS_BIAS_STAGED_BYTES: its 1024 programs of one or two warps leave 8-16 warps an
+#   SM, each then with more in flight (float32 clamped SwiGLU at 65536 x 768 1.306 -> 1.188, squared
+#   ReLU at 65536 x 1536 1.392 -> 1.161), while 4-warp rows lost (squared ReLU 1.094 -> 1.220 at
+#   16384 x 8192, float32 at 65536 x 1536 1.092 -> 1.132).
 # - _BWD_BIAS_NARROW_STAGES: the one-row plan of 16-bit GLUs (F < 2048, 20 warps an SM under its
 #   register cap), where 2 stages ran level and 3-4 lost up to 0.15 (SwiGLU at 65536 x 768 1.273 ->
 #   1.387 with 3), except for SiTU-GLU with a linear scale, the heaviest in arithmetic
@@ -903,12 +907,13 @@ def _plan(
     if rows_aligned is not None:
         kernel = _activation_bwd_kernel
         kwargs["ROWS_ALIGNED"] = rows_aligned and v.has_bias  # only a bias splits the rows
-        # Only where F is specialised as a multiple of 16 can Triton prove the rows' 16-byte
-        # alignment and copy each thread's 8 or 16 bytes at once; at other widths it pipelines
-        # some loads in 4-byte copies and leaves the output gradient's unpipelined (sm_90 PTX),
-        # a form never timed, so they keep the register prefetch.
-        pipelines = v.has_bias and F % 16 == 0
-        kwargs["LOOP_STAGES"] = loop_stages if pipelines else 0
+        if loop_stages == 1:
+            raise ValueError(
+                "a backward loop-stage constant (_BWD_BIAS_STAGES, _BWD_BIAS_NARROW_STAGES, "
+                "_BWD_BIAS_NARROW_TANH_STAGES, _BWD_PROBS_BIAS_WIDE_STAGES) is 1, which would load "
+                "each trip's inputs only when it runs; use 0 (one trip ahead in registers) or 2+"
+            )
+        kwargs["LOOP_STAGES"] = loop_stages if _pipelines(v, F) else 0
     if max_registers is not None:
         kwargs["maxnreg"] = max_registers
     params = [name for name in kernel.arg_names if name in kwargs]
@@ -1068,8 +1073,10 @@ def _probs_bias_backward_plan(
     With a bias each program walks a range of rows, and every trip ends in the probability
     gradient's cross-warp sum (a barrier). Where the column block is 1024 wide
     (``_BWD_PROBS_BIAS_WIDE_BLOCK_N``), a trip of the clamped kinds and the heavy gates takes one
-    row, its loads pipelined ``_BWD_PROBS_BIAS_WIDE_STAGES`` deep; SwiGLU, ReGLU and SiTU-GLU with a
-    linear scale take ``_BWD_PROBS_BIAS_ROWS`` rows a trip loaded one trip ahead in registers: the
+    row, its loads pipelined ``_BWD_PROBS_BIAS_WIDE_STAGES`` deep (where F is a multiple of 16:
+    ``_pipelines``); the light unclamped kinds (SwiGLU, ReGLU, quick-GELU without a clamp),
+    SiTU-GLU with a linear scale and the other widths take ``_BWD_PROBS_BIAS_ROWS`` rows a trip
+    loaded one trip ahead in registers: the
     warps still split the columns, so each thread holds the trip's rows of its columns and the bias
     gradient's sum over them stays in registers (the kernel's 1-D accumulators), while one barrier
     serves several rows. SiTU-GLU and the GELUs take a register cap there
@@ -1089,9 +1096,10 @@ def _probs_bias_backward_plan(
     if _block_n(F, max_block_n) >= wide_block_n:
         heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
         # One row a trip with the loop pipelined (wide_stages) for the clamped kinds and the
-        # heavy gates, two rows a trip loaded one ahead in registers for the light unclamped
-        # ones and SiTU-GLU with a linear scale (_BWD_PROBS_BIAS_WIDE_STAGES).
-        pipelined = (v.clamp or heavy) and not v.linear_tanh
+        # heavy gates where the width pipelines, two rows a trip loaded one ahead in registers
+        # for the light unclamped ones, SiTU-GLU with a linear scale and the widths that do not
+        # (_BWD_PROBS_BIAS_WIDE_STAGES).
+        pipelined = (v.clamp or heavy) and not v.linear_tanh and _pipelines(v, F)
         rows, stages = (1, wide_stages) if pipelined else (two_row_rows, 0)
         cap = max_registers if heavy else None
         # Kinds that bound the linear half (a clamp, a tanh) ran faster with aligned rows.
@@ -1114,6 +1122,15 @@ def _probs_bias_backward_plan(
         aligned,
         stages,
     )
+
+
+def _pipelines(v, F: int) -> bool:
+    # Whether the backward's row loop may be pipelined (LOOP_STAGES >= 2): it has one only with a
+    # bias, and only where F is specialised as a multiple of 16 can Triton prove the rows' 16-byte
+    # alignment and copy each thread's 8 or 16 bytes at once; at other widths it pipelines some
+    # loads in 4-byte copies and leaves the output gradient's unpipelined (sm_90 PTX), a form
+    # never timed, so they keep the register prefetch.
+    return v.has_bias and F % 16 == 0
 
 
 def _narrow_stages(v) -> int:

@@ -159,6 +159,9 @@ def test_column_block(ffn, max_block_n, expected):
         ("situ_glu", torch.float16, 1536, (1, 512, 2, 96, 3)),
         # float32 and non-gated kinds keep the general weighted plan, pipelined where a trip's
         # row segment is at most 1 KiB.
+        # Widths that are not a multiple of 16 do not pipeline, and every kind takes two rows.
+        ("swiglu_clamp", torch.bfloat16, 8200, (2, 1024, 4, None, 0)),
+        ("geglu", torch.bfloat16, 1000, (2, 1024, 4, 128, 0)),
         ("swiglu_clamp", torch.float32, 8192, (1, 1024, 4, None, 0)),
         ("swiglu_clamp", torch.float32, 768, (1, 256, 1, None, 4)),
         ("squared_relu", torch.bfloat16, 8192, (1, 1024, 4, None, 0)),
@@ -192,7 +195,7 @@ def test_weighted_backward_plan_with_a_bias(name, dtype, ffn, expected):
         ("swiglu_clamp", torch.bfloat16, 1536, 0),
         ("situ_glu", torch.bfloat16, 768, 3),
         # float32 loads one trip ahead in registers, and so does every width that is not a
-        # multiple of 16 (Triton could not prove the rows' alignment, so would not pipeline).
+        # multiple of 16 (Triton cannot prove the rows' 16-byte alignment there).
         ("swiglu_clamp", torch.float32, 8192, 0),
         ("squared_relu", torch.float32, 1536, 0),
         ("swiglu_clamp", torch.bfloat16, 8200, 0),
@@ -211,6 +214,19 @@ def test_unweighted_backward_loop_stages(name, dtype, ffn, stages):
     unbiased = KernelVariant.of(SPECS[name], has_bias=False, has_probs=False)
     if not triton_kernels.uses_flat_kernel(unbiased, backward=True):
         assert triton_kernels._backward_plan(unbiased, ffn, itemsize)[2]["LOOP_STAGES"] == 0
+
+
+@pytest.mark.parametrize("constant", ["_BWD_BIAS_STAGES", "_BWD_PROBS_BIAS_WIDE_STAGES"])
+def test_one_loop_stage_is_refused(constant, monkeypatch):
+    """A loop-stage constant of 1 would load each trip's inputs only as it runs (neither ahead in
+    registers nor pipelined): refused with the constants' names before anything compiles."""
+    from mcore_activations.fusions import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, constant, 1)
+    has_probs = constant == "_BWD_PROBS_BIAS_WIDE_STAGES"
+    variant = KernelVariant.of(SPECS["swiglu_clamp"], has_bias=True, has_probs=has_probs)
+    with pytest.raises(ValueError, match=f"{constant}.*is 1"):
+        triton_kernels._backward_plan(variant, 8192, 2)
 
 
 _STAGE_CONSTANTS = (
@@ -319,8 +335,9 @@ def test_forward_plan_warps(name, has_bias, has_probs, dtype, ffn, warps):
         ("swiglu_clamp", False, torch.bfloat16, 3072, "_BIAS_PROGRAMS_GLU"),
         ("swiglu_clamp", False, torch.float32, 1536, "_BIAS_PROGRAMS_GLU"),
         # 16-bit GLUs take the one-row plan at 512-column blocks, weighted or not; the weighted
-        # ones the two-row plan at 1024-column blocks, with and without the register cap
-        # (SiTU-GLU and the GELUs take it). Weighted float32 keeps the general count.
+        # ones the wide plan at 1024-column blocks (one row or two a trip), with and without the
+        # register cap (SiTU-GLU and the GELUs take it). Weighted float32 keeps the general
+        # count.
         ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
         ("geglu", False, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
         ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
@@ -379,7 +396,8 @@ def test_narrow_bias_programs_fill_one_wave(name, dtype, ffn, warps, has_probs):
 @pytest.mark.parametrize(
     "name,has_probs,dtype,ffn,aligned",
     [
-        # The two-row plan: kinds that bound the linear half (a clamp, a linear tanh) align.
+        # The weighted plan at 1024-column blocks (one row or two a trip): kinds that bound the
+        # linear half (a clamp, a linear tanh) align.
         ("swiglu_clamp", True, torch.bfloat16, 8192, True),
         ("quick_geglu_gpt_oss", True, torch.float16, 8192, True),
         ("situ_glu", True, torch.bfloat16, 8192, True),

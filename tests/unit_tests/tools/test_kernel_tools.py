@@ -222,3 +222,45 @@ def test_inspect_kernel_sass_candidate_sets_constants_before_compiling(tmp_path)
     assert "_BWD_PROBS_COLUMNS_PER_WARP=128" in result.stdout.splitlines()[0]
     row = [line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)")]
     assert row == ["| SwiGLU(clamp=7) | same | same | same | differs |"], result.stdout
+
+
+_PIPELINE_PROBE = """
+import sys
+import torch
+from mcore_activations.fusions.activation_kernels import KernelVariant
+from tools.inspect_kernel_sass import CASES, compile_kernel, kernel_and_plan
+
+for name, probs, ffn in [tuple(case.split(":")) for case in sys.argv[1:]]:
+    has_probs = probs == "probs"
+    v = KernelVariant.of(CASES[name], has_bias=True, has_probs=has_probs)
+    kernel, plan = kernel_and_plan(v, int(ffn), 65536, 2, True)
+    ints = {"rows": 65536, "F": int(ffn), "rows_per_program": 100}
+    ptx = compile_kernel(kernel, plan, torch.bfloat16, True, has_probs, ints, 90).asm["ptx"]
+    print(name, probs, ffn, plan[2]["LOOP_STAGES"], "cp.async" in ptx)
+"""
+
+
+def test_pipelined_plans_compile_to_asynchronous_copies():
+    """The plans that ask for a pipelined row loop (LOOP_STAGES >= 2) get one from Triton: their
+    sm_90 PTX has cp.async copies (a Triton that stopped pipelining such loops would leave the
+    loads unprefetched, slower than the register prefetch), and the register-prefetch plans have
+    none. Compiled with Triton's own ptxas, not the interpreter."""
+    cases = [
+        "SwiGLU(clamp=7):bias:8192",  # the unweighted GLU plan at 1024-column blocks
+        "SwiGLU(clamp=7):probs:8192",  # the weighted one, one row a trip
+        "SiTU-GLU(4,25):bias:1536",  # the one-row plan, SiTU-GLU with a linear scale
+        "SwiGLU:bias:1536",  # the one-row plan, register prefetch
+        "SwiGLU:probs:8192",  # the weighted plan's two rows a trip, register prefetch
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    command = [sys.executable, "-c", _PIPELINE_PROBE, *cases]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line.split() for line in result.stdout.splitlines()]
+    assert [(stages, copies) for *_, stages, copies in lines] == [
+        ("4", "True"),
+        ("4", "True"),
+        ("3", "True"),
+        ("0", "False"),
+        ("0", "False"),
+    ], result.stdout
