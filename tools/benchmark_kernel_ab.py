@@ -18,10 +18,11 @@ is larger), then times, in turns (``time_interleaved``): a copy of the same byte
 this tree's call without the bias and probabilities (what the variant adds), when both are on
 this tree's call with the bias alone (``bias only``: the reference a weighted call with a bias
 is held to), the baseline's call, this tree's, this tree's with each ``--candidate`` set of
-``triton_kernels`` constants, and each ``--variant``'s. It prints time / floor and the ratio of
-this tree to the baseline. Session 8's measurements of the weighted and bias backward
-(docs/performance.md, runs 31-33) were taken with ad-hoc scripts of this form; session 9's
-(runs 34-35) with this one.
+``triton_kernels`` constants (with a bias and probabilities, also that candidate's own bias-only
+call), and each ``--variant``'s. It prints time / floor, the ratio of this tree to the baseline
+and, for weighted calls with a bias, each call's ratio to its bias-only one. Session 8's
+measurements of the weighted and bias backward (docs/performance.md, runs 31-33) were taken with
+ad-hoc scripts of this form; session 9's (runs 34-35) with this one.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ RESERVED_LABELS = (
     "baseline",
     "this tree",
     "this tree / baseline",
+    "this tree / bias only",
 )
 
 
@@ -126,9 +128,15 @@ def candidate_label(constants: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in constants.items())
 
 
+def bias_only_label(constants: dict) -> str:
+    """The label of a ``--candidate``'s own bias-only call (weighted calls with a bias)."""
+    return f"bias only, {candidate_label(constants)}"
+
+
 def check_variant_labels(variants, candidates) -> str | None:
     """An error message if a ``--variant`` label would overwrite another timing, else None."""
     taken = set(RESERVED_LABELS) | {candidate_label(c) for c in candidates}
+    taken |= {bias_only_label(c) for c in candidates}
     for label, _ in variants:
         if label in taken:
             return (
@@ -201,6 +209,11 @@ def bench_case(
     group["this tree"] = call(tk)
     for constants in candidates:
         group[candidate_label(constants)] = _with_constants(tk, constants, call(tk))
+        if has_bias and has_probs:
+            # A candidate may move the bias-only call too (plans shared with it): its own
+            # reference, so the 5 % target reads within the candidate.
+            bias_only_call = call(tk, bias_only, bias, None)
+            group[bias_only_label(constants)] = _with_constants(tk, constants, bias_only_call)
     for label, module in variants:
         group[label] = call(module)
     with torch.no_grad():
@@ -208,6 +221,11 @@ def bench_case(
     floor = times.pop("floor")
     row = {label: t / floor for label, t in times.items()}
     row["this tree / baseline"] = times["this tree"] / times["baseline"]
+    if has_bias and has_probs:
+        row["this tree / bias only"] = times["this tree"] / times["bias only"]
+        for constants in candidates:
+            label = candidate_label(constants)
+            row[f"{label} / its bias only"] = times[label] / times[bias_only_label(constants)]
     return row
 
 

@@ -185,6 +185,9 @@ def test_variant_labels_never_replace_another_column():
     for label in ("floor", "plain", "bias only", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
         assert "already a column" in check_variant_labels([(label, "a.py")], candidates)
     assert "'a'" in check_variant_labels([("a", "x.py"), ("a", "y.py")], [])
+    # A candidate's own bias-only timing is a column too.
+    own = check_variant_labels([("bias only, _BIAS_PROGRAMS=2048", "a.py")], candidates)
+    assert "already a column" in own
 
 
 def test_inspect_kernel_sass_compares_sass_with_another_copy(tmp_path):
