@@ -1025,6 +1025,8 @@ def _backward_plan(v, F, itemsize: int):
             _BIAS_ROWS_ALIGNED,
             _general_probs_stages(F, itemsize),
         )
+    # The unweighted plans: 16-bit inputs pipelined, float32 loaded ahead (_BWD_BIAS_STAGES).
+    stages = _BWD_BIAS_STAGES if itemsize <= 2 else 0
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
         # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
@@ -1037,7 +1039,7 @@ def _backward_plan(v, F, itemsize: int):
             fast_div,
             _COLUMNS_FASTEST,
             rows_aligned=_block_n(F, _BWD_MAX_BLOCK_N) >= _GLU_BIAS_ALIGNED_BLOCK_N,
-            loop_stages=_BWD_BIAS_STAGES if itemsize <= 2 else 0,
+            loop_stages=stages,
         )
     return _plan(
         v,
@@ -1048,7 +1050,7 @@ def _backward_plan(v, F, itemsize: int):
         fast_div,
         _COLUMNS_FASTEST,
         rows_aligned=_BIAS_ROWS_ALIGNED,
-        loop_stages=_BWD_BIAS_STAGES if itemsize <= 2 else 0,
+        loop_stages=stages,
     )
 
 
