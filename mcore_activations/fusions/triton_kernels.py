@@ -707,6 +707,14 @@ _BWD_PROBS_MAX_BLOCK_N = 1024
 # probabilities share (_has_narrow_glu_bias_plan).
 _BWD_PROBS_BIAS_ROWS = 2
 _BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block of the wide weighted plan
+# The narrow weighted plan's column block for the clamped kinds and the heavy gates where a row
+# spans several 512-column blocks (_probs_bias_backward_plan): 256 columns, one warp, twice the
+# programs. H200, bf16, raw backward / copy floor, 512 -> 256 (docs/performance.md, session 20,
+# runs 87-88), 65536 x 1536: clamped SwiGLU 1.217 -> 1.208, GEGLU 1.184 -> 1.176, quick-GEGLU
+# 1.227 -> 1.215, SiTU-GLU(4) 1.229 -> 1.202, SiTU-GLU(4,25) 1.326 -> 1.293, and 1-2.5 % at
+# 32768 x 2560; SwiGLU and ReGLU lost 1-1.5 % at both, and every kind lost 1.5-4.4 % at F = 512,
+# one block wide, where the split adds the column blocks' bias sum.
+_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N = 256
 _BWD_PROBS_BIAS_MAX_REGISTERS = 128
 _BWD_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_NARROW follows from it
 # Register cap per thread of the weighted backward (Triton's maxnreg), None for none. Kept for
@@ -991,6 +999,7 @@ def _backward_plan(v, F, itemsize: int):
             _BWD_PROBS_BIAS_MAX_REGISTERS,
             _BWD_BIAS_NARROW_MAX_REGISTERS,
             _BWD_PROBS_MAX_BLOCK_N,
+            _BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N,
             _BWD_PROBS_COLUMNS_PER_WARP,
             fast_div,
             _COLUMNS_FASTEST,
@@ -1063,6 +1072,7 @@ def _probs_bias_backward_plan(
     max_registers: Optional[int],
     narrow_max_registers: Optional[int],
     max_block_n: int,
+    narrow_max_block_n: int,
     columns_per_warp: int,
     fast_div: bool,
     columns_fastest: bool,
@@ -1085,7 +1095,8 @@ def _probs_bias_backward_plan(
     (``_BWD_PROBS_BIAS_MAX_REGISTERS``); narrower blocks keep one row per trip under
     ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp programs or twice as
     many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a linear scale
-    (``_BWD_BIAS_NARROW_TANH_STAGES``). H200, bf16, raw backward / copy floor, one row uncapped ->
+    (``_BWD_BIAS_NARROW_TANH_STAGES``); where a row spans several such blocks, the clamped kinds
+    and the heavy gates narrow them to ``_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N`` columns. H200, bf16, raw backward / copy floor, one row uncapped ->
     two rows a trip (docs/performance.md, session 12, run 52; runs 50-51 timed the parts; the one
     pipelined row of session 19 at ``_BWD_PROBS_BIAS_WIDE_STAGES``), 16384 x 8192: clamped SwiGLU
     1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
@@ -1095,8 +1106,9 @@ def _probs_bias_backward_plan(
     slower. float32 lost with two rows (1.06 -> 1.11) and keeps the general plan.
     """
     _require_power_of_two("_BWD_PROBS_BIAS_ROWS", two_row_rows)
-    if _block_n(F, max_block_n) >= wide_block_n:
-        heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
+    heavy = v.gate_tanh or v.kind in ("gelu", "gelu_tanh")
+    block_n = _block_n(F, max_block_n)
+    if block_n >= wide_block_n:
         # One row a trip with the loop pipelined (wide_stages) for the clamped kinds and the
         # heavy gates where the width pipelines, two rows a trip loaded one ahead in registers
         # for the light unclamped ones, SiTU-GLU with a linear scale and the widths that do not
@@ -1111,6 +1123,8 @@ def _probs_bias_backward_plan(
         cap = narrow_max_registers
         aligned = False
         stages = narrow_stages
+        if (v.clamp or heavy) and block_n < F:
+            max_block_n = narrow_max_block_n
     # Columns per warp scale with the rows, so the warps split only the columns.
     return _probs_backward_plan(
         v,

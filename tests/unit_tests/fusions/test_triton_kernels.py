@@ -153,10 +153,13 @@ def test_column_block(ffn, max_block_n, expected):
         ("swiglu", torch.bfloat16, 8192, (2, 1024, 4, None, 0)),
         ("reglu", torch.float16, 8192, (2, 1024, 4, None, 0)),
         ("situ_glu", torch.bfloat16, 8192, (2, 1024, 4, 128, 0)),
-        # Narrower blocks: one row over 2 warps, the narrow cap, pipelined only for SiTU-GLU
-        # with a linear scale.
-        ("swiglu_clamp", torch.bfloat16, 1536, (1, 512, 2, 96, 0)),
-        ("situ_glu", torch.float16, 1536, (1, 512, 2, 96, 3)),
+        # Narrower blocks: one row a trip under the narrow cap, pipelined only for SiTU-GLU
+        # with a linear scale; the clamped kinds and the heavy gates split a row of several
+        # 512-column blocks into 256-column 1-warp ones, the others keep 512 over 2 warps.
+        ("swiglu_clamp", torch.bfloat16, 1536, (1, 256, 1, 96, 0)),
+        ("situ_glu", torch.float16, 1536, (1, 256, 1, 96, 3)),
+        ("swiglu", torch.bfloat16, 1536, (1, 512, 2, 96, 0)),
+        ("swiglu_clamp", torch.bfloat16, 512, (1, 512, 2, 96, 0)),
         # float32 and non-gated kinds keep the general weighted plan, pipelined where a trip's
         # row segment is at most 1 KiB.
         # Widths that are not a multiple of 16 do not pipeline, and every kind takes two rows.
@@ -340,8 +343,8 @@ def test_forward_plan_warps(name, has_bias, has_probs, dtype, ffn, warps):
         # count.
         ("swiglu_clamp", False, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
         ("geglu", False, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
-        ("swiglu_clamp", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
-        ("situ_glu", True, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
+        ("swiglu", True, torch.bfloat16, 1536, "_BIAS_PROGRAMS_NARROW"),
+        ("reglu", True, torch.float16, 1536, "_BIAS_PROGRAMS_NARROW"),
         ("swiglu_clamp", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
         ("reglu", True, torch.float16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE"),
         ("situ_glu", True, torch.bfloat16, 3072, "_BIAS_PROGRAMS_PROBS_WIDE_CAPPED"),
@@ -372,7 +375,7 @@ def test_bias_backward_program_count(name, has_probs, dtype, ffn, constant, monk
 @pytest.mark.parametrize(
     "name,dtype,ffn,warps",
     [
-        ("swiglu_clamp", torch.bfloat16, 1536, 2),  # 512-column blocks
+        ("swiglu", torch.bfloat16, 1536, 2),  # 512-column blocks
         ("situ_glu", torch.float16, 512, 2),
         ("swiglu_clamp", torch.bfloat16, 768, 1),  # 256-column blocks
         ("geglu", torch.bfloat16, 100, 1),  # one block of 128
@@ -391,6 +394,40 @@ def test_narrow_bias_programs_fill_one_wave(name, dtype, ffn, warps, has_probs):
     assert plan[2]["maxnreg"] == triton_kernels._BWD_BIAS_NARROW_MAX_REGISTERS
     programs = triton_kernels._bias_programs(variant, ffn, plan, itemsize)
     assert programs * warps == 2 * triton_kernels._BIAS_PROGRAMS_NARROW
+
+
+@pytest.mark.parametrize(
+    "name,ffn,block_n",
+    [
+        # The clamped kinds and the heavy gates, where a row spans several 512-column blocks.
+        ("swiglu_clamp", 1536, 256),
+        ("quick_geglu_gpt_oss", 1536, 256),
+        ("geglu", 2560, 256),
+        ("geglu_erf", 1536, 256),
+        ("situ_glu_gate_only", 2560, 256),
+        ("situ_glu", 1536, 256),
+        # The light unclamped kinds keep 512 columns, and so does every kind where one block
+        # spans the row.
+        ("swiglu", 1536, 512),
+        ("reglu", 2560, 512),
+        ("quick_geglu_offset", 1536, 512),
+        ("swiglu_clamp", 512, 512),
+        ("situ_glu", 512, 512),
+    ],
+)
+def test_narrow_weighted_bias_column_block(name, ffn, block_n):
+    """The narrow weighted plan's column block with a bias (``_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N``):
+    one warp per 256 columns, the wave's warps unchanged; the unweighted plan keeps 512."""
+    from mcore_activations.fusions import triton_kernels
+
+    weighted = KernelVariant.of(SPECS[name], has_bias=True, has_probs=True)
+    plan = triton_kernels._backward_plan(weighted, ffn, 2)
+    warps = block_n // triton_kernels._BWD_PROBS_COLUMNS_PER_WARP
+    assert (plan[0], plan[1], plan[2]["num_warps"]) == (1, block_n, warps)
+    programs = triton_kernels._bias_programs(weighted, ffn, plan, 2)
+    assert programs * warps == 2 * triton_kernels._BIAS_PROGRAMS_NARROW
+    unweighted = KernelVariant.of(SPECS[name], has_bias=True, has_probs=False)
+    assert triton_kernels._backward_plan(unweighted, ffn, 2)[1] == 512
 
 
 @pytest.mark.parametrize(
