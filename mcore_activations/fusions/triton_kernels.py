@@ -1096,9 +1096,10 @@ def _probs_bias_backward_plan(
     ``_BWD_BIAS_NARROW_MAX_REGISTERS``, over ``_BIAS_PROGRAMS_NARROW`` 2-warp programs or twice as
     many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a linear scale
     (``_BWD_BIAS_NARROW_TANH_STAGES``); where a row spans several such blocks, the clamped kinds
-    and the heavy gates narrow them to ``_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N`` columns. H200, bf16, raw backward / copy floor, one row uncapped ->
-    two rows a trip (docs/performance.md, session 12, run 52; runs 50-51 timed the parts; the one
-    pipelined row of session 19 at ``_BWD_PROBS_BIAS_WIDE_STAGES``), 16384 x 8192: clamped SwiGLU
+    and the heavy gates narrow them to ``_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N`` columns. H200, bf16,
+    raw backward / copy floor, one row uncapped -> two rows a trip (docs/performance.md, session 12,
+    run 52; runs 50-51 timed the parts; the one pipelined row of session 19 at
+    ``_BWD_PROBS_BIAS_WIDE_STAGES``), 16384 x 8192: clamped SwiGLU
     1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
     SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024 programs): 1.34 -> 1.31, 1.30
     -> 1.27, 1.26 -> 1.25, 1.32 -> 1.29, 1.42 -> 1.41.
