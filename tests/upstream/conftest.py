@@ -21,15 +21,20 @@ MAIN_TREE = Path(sys.prefix) / "upstream-main"
 TARGETS = ("release", "main")
 
 
+def main_tree() -> Path:
+    """Upstream main's unpacked tree; skips the test where no archive was there to unpack."""
+    if not (MAIN_TREE / "megatron" / "core").is_dir():
+        pytest.skip(f"upstream main is not unpacked at {MAIN_TREE} (scripts/upstream_env.sh)")
+    return MAIN_TREE
+
+
 def target_env(target: str) -> dict[str, str]:
     """The environment of a subprocess that imports ``target``'s megatron.core."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MCORE_ACTIVATIONS_PATCH")}
     env.pop("PYTHONPATH", None)
     if target == "main":
-        if not (MAIN_TREE / "megatron" / "core").is_dir():
-            pytest.skip(f"upstream main is not unpacked at {MAIN_TREE} (scripts/upstream_env.sh)")
         # megatron is a namespace package: main's tree, first on the path, provides megatron.core.
-        env["PYTHONPATH"] = str(MAIN_TREE)
+        env["PYTHONPATH"] = str(main_tree())
     env["OMP_NUM_THREADS"] = "1"
     env["NO_VCS_VERSION"] = "1"  # upstream main would append the enclosing git sha
     return env

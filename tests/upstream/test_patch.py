@@ -8,7 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import MAIN_TREE, run_json, run_python
+from conftest import main_tree, run_json, run_python
 
 PATCH_AND_UNPATCH = """
 import json
@@ -80,7 +80,7 @@ def test_an_unknown_version_is_refused_and_nothing_is_patched(target):
 
 def _copy_of_core(target: str, destination: Path) -> Path:
     if target == "main":
-        source = MAIN_TREE / "megatron"
+        source = main_tree() / "megatron"
     else:
         source = Path(sysconfig.get_paths()["purelib"]) / "megatron"
     shutil.copytree(source / "core", destination / "megatron" / "core")
