@@ -29,17 +29,24 @@ each batch, so the first timed call's host time is not counted as GPU time; see
 ``time_interleaved``). The candidates of a row (floor included) take turns within every repeat,
 so drift of the card's state during a row is shared by all of them rather than charged to
 whichever ran first.
+
+Every candidate's host time per call is measured too (``host_ms``: calls enqueued while the GPU
+sleeps, so none waits for its kernels) and stored as ``*_host_ms``; the table marks a time that
+is within 10 % of it as paced by the host, where the ratio to the floor says nothing about the
+kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -124,6 +131,51 @@ def time_interleaved(fns, calls=10, repeats=7, warmup=3, prime=True):
             torch.cuda.synchronize()
             times[label].append(start.elapsed_time(end) / calls)
     return {label: statistics.median(t) for label, t in times.items()}
+
+
+@functools.cache
+def sleep_cycles(ms: float) -> int:
+    """Clock cycles ``torch.cuda._sleep`` spins for about ``ms`` on this card (measured once)."""
+    probe = 1_000_000
+    torch.cuda._sleep(probe)  # the first call pays for loading the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    torch.cuda.synchronize()
+    return max(1, int(probe * ms / start.elapsed_time(end)))
+
+
+def host_ms(fn, calls=20, repeats=3, busy_ms=50.0):
+    """The host's time per ``fn()`` call, in ms, or None where it cannot be told apart.
+
+    Each repeat queues a GPU sleep of ``busy_ms``, then times ``calls`` back-to-back calls on
+    the host's clock: the GPU is still asleep while they are enqueued, so no call can wait for
+    its kernels and the wall time is the host's alone. The median over ``repeats`` is returned.
+    If the sleep had ended before the last call returned (a call synchronised with the device,
+    or the host took longer than the sleep), the time includes GPU time and None is returned.
+
+    A row whose measured time per call is close to this is paced by the host, not the kernels
+    (``markdown`` marks it): its ratio to the floor says nothing about the kernels.
+    """
+    busy = sleep_cycles(busy_ms)
+    fn()  # a first call may load libraries or compile, and synchronise while it does
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(busy)
+        asleep = torch.cuda.Event()
+        asleep.record()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        woke_early = asleep.query()
+        torch.cuda.synchronize()
+        if woke_early:
+            return None
+        samples.append(elapsed * 1e3 / calls)
+    return statistics.median(samples)
 
 
 def copy_fn(nbytes):
@@ -246,6 +298,8 @@ def bench(
         with torch.no_grad() if suffix == "fwd" else torch.enable_grad():
             for label, ms in time_interleaved(group, calls, repeats).items():
                 row[f"{label}_{suffix}_ms"] = ms
+                if label != "floor":
+                    row[f"{label}_{suffix}_host_ms"] = host_ms(group[label])
     return row
 
 
@@ -292,8 +346,25 @@ def environment():
     return env
 
 
+# A cell whose host time per call is at least this share of its measured time is paced by the
+# host: the GPU idles between calls, so the time is Python's and the driver's, not the kernels'.
+HOST_PACED = 0.9
+HOST_PACED_MARK = "\u2020"
+HOST_PACED_LEGEND = (
+    f"{HOST_PACED_MARK}: paced by the host (its time per call, `*_host_ms` in the JSON, is at "
+    f"least {HOST_PACED} of the measured time), so the time measures the host, not the kernels."
+)
+
+
+def host_paced(row: dict, label: str, suffix: str) -> bool:
+    """Whether ``label``'s ``suffix`` ("fwd" / "fwd_bwd") time in ``row`` is the host's time."""
+    host = row.get(f"{label}_{suffix}_host_ms")
+    return host is not None and host >= HOST_PACED * row[f"{label}_{suffix}_ms"]
+
+
 def markdown(rows):
-    """The result rows as a markdown table: ms, and x the floor in parentheses."""
+    """The result rows as a markdown table: ms, and x the floor in parentheses; a time paced by
+    the host (:func:`host_paced`) carries ``HOST_PACED_MARK``."""
     labels = ["ours", "te", "compile", "eager"]
     head = "| spec | dtype | T x H | probs | bias | floor fwd / f+b ms |"
     head += "".join(f" {label} fwd / f+b |" for label in labels)
@@ -304,10 +375,12 @@ def markdown(rows):
             if f"{label}_fwd_ms" not in r:
                 cells.append("-")
                 continue
-            f = r[f"{label}_fwd_ms"]
-            fb = r[f"{label}_fwd_bwd_ms"]
-            floor_f, floor_fb = r["floor_fwd_ms"], r["floor_fwd_bwd_ms"]
-            cells.append(f"{f:.3f} ({f / floor_f:.2f}) / {fb:.3f} ({fb / floor_fb:.2f})")
+            halves = []
+            for suffix in ("fwd", "fwd_bwd"):
+                ms, floor = r[f"{label}_{suffix}_ms"], r[f"floor_{suffix}_ms"]
+                mark = HOST_PACED_MARK if host_paced(r, label, suffix) else ""
+                halves.append(f"{ms:.3f}{mark} ({ms / floor:.2f})")
+            cells.append(" / ".join(halves))
         lines.append(
             f"| {r['spec']} | {r['dtype']} | {r['T']} x {r['H']} | {'yes' if r['weighted'] else ''}"
             f" | {'yes' if r.get('bias') else ''}"
@@ -376,6 +449,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
         print(markdown(rows[-1:]).splitlines()[-1], flush=True)
     print(markdown(rows))
+    print(f"\n{HOST_PACED_LEGEND}")
     if args.json:
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=1))
 

@@ -1,5 +1,7 @@
 """The side-by-side benchmark's batch sizes and row filters (the timing itself needs a GPU)."""
 
+import pytest
+
 from tools.benchmark_activations import batch_calls
 
 
@@ -68,3 +70,39 @@ def test_repeats_must_be_positive():
     with pytest.raises(SystemExit) as refused:
         main(["--repeats", "0"])
     assert refused.value.code == 2
+
+
+def test_markdown_marks_times_paced_by_the_host():
+    """A time within 10 % of its host time per call carries the mark; a time well above it, a
+    host time that could not be measured (None) and rows of earlier JSON files without the
+    field do not."""
+    from tools.benchmark_activations import HOST_PACED_MARK, host_paced, markdown
+
+    row = {"spec": "SwiGLU", "dtype": "bfloat16", "T": 256, "H": 1024, "weighted": False}
+    row |= {"floor_fwd_ms": 0.006, "floor_fwd_bwd_ms": 0.006}
+    row |= {"ours_fwd_ms": 0.027, "ours_fwd_bwd_ms": 0.205}
+    row |= {"ours_fwd_host_ms": 0.025, "ours_fwd_bwd_host_ms": 0.150}
+    row |= {"te_fwd_ms": 0.043, "te_fwd_bwd_ms": 0.220}
+    row |= {"te_fwd_host_ms": None}  # and no te_fwd_bwd_host_ms: an earlier file's row
+    assert host_paced(row, "ours", "fwd")  # 0.025 >= 0.9 * 0.027
+    assert not host_paced(row, "ours", "fwd_bwd")  # 0.150 < 0.9 * 0.205
+    assert not host_paced(row, "te", "fwd") and not host_paced(row, "te", "fwd_bwd")
+    line = markdown([row]).splitlines()[2]
+    assert f"0.027{HOST_PACED_MARK} (4.50) / 0.205 (34.17)" in line
+    assert "0.043 (7.17) / 0.220 (36.67)" in line
+    assert line.count(HOST_PACED_MARK) == 1
+
+
+@pytest.mark.gpu
+def test_host_ms_is_the_host_time_of_a_call_and_refuses_a_synchronising_one():
+    """Calls enqueued behind the GPU's sleep cost the host microseconds whatever their kernels
+    take; a call that synchronises waits for the sleep, which host_ms reports as None."""
+    import torch
+
+    from tools.benchmark_activations import host_ms
+
+    x = torch.randn(4096, 4096, device="cuda")
+    # Ten matrix products a call: about 14 ms of GPU work a call on an H100, microseconds of host.
+    heavy = host_ms(lambda: [x @ x for _ in range(10)], calls=3, repeats=3, busy_ms=200.0)
+    assert heavy is not None and heavy < 1.0
+    assert host_ms(lambda: x.sum().item(), calls=3) is None
