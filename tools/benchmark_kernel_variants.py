@@ -51,7 +51,6 @@ may contract multiply-adds differently from eager) before it is timed.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 from pathlib import Path
@@ -68,6 +67,7 @@ from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from tools.benchmark_activations import (  # noqa: E402
     copy_fn,
     copy_ms,
+    sleep_cycles,
     te_candidate,
     time_interleaved,
     time_ms,
@@ -625,19 +625,6 @@ def bench_turns(spec, rows, ffn, dtype, repeats=15):
     return row
 
 
-@functools.cache
-def _sleep_cycles(ms: float) -> int:
-    """Clock cycles ``torch.cuda._sleep`` spins for about ``ms`` on this card (measured once)."""
-    probe = 1_000_000
-    torch.cuda._sleep(probe)  # the first call pays for loading the kernel
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    torch.cuda.synchronize()
-    return max(1, int(probe * ms / start.elapsed_time(end)))
-
-
 def bench_host_at_shape(spec, rows, ffn, dtype):
     """Host time of one forward+backward at a large shape, and whether the host waits for the GPU.
 
@@ -674,7 +661,7 @@ def bench_host_at_shape(spec, rows, ffn, dtype):
         times = time_interleaved(group, repeats=11, prime=prime)
         floor = times.pop("floor")
         row |= {f"{label} / floor{suffix}": t / floor for label, t in times.items()}
-    busy = _sleep_cycles(200.0)
+    busy = sleep_cycles(200.0)
     for label, fn in group.items():
         if label == "floor":
             continue
