@@ -183,3 +183,17 @@ def activate(
         out = activation_func(x)
         return (out * probs).to(out.dtype) if probs is not None else out
     return unfused_activation(x, spec, activation_func, probs=probs)
+
+
+def add_weighted_output_bias(
+    output: torch.Tensor, bias: torch.Tensor, per_token_scale: torch.Tensor
+) -> torch.Tensor:
+    """An expert's fc2 output plus its bias weighted by each token's router probability.
+
+    Computes ``output + bias * per_token_scale[..., None]`` out of place and rounds once to
+    ``output.dtype``: the same bits as adding the (float32) product in place, which is what
+    upstream does. In place is not an option: when fc2 is a Transformer Engine linear its output
+    is a view made inside a custom autograd Function, and autograd refuses to modify it (an
+    expert with biases and token weights, as in gpt-oss, could not train).
+    """
+    return (output + bias * per_token_scale.unsqueeze(-1)).to(output.dtype)

@@ -333,8 +333,7 @@ def _make_mlp_forward(mlp_module):
         output, output_bias = self.linear_fc2(intermediate)
         _nvtx(mlp_module, "pop", "linear_fc2")
         if per_token_scale is not None and output_bias is not None:
-            # As upstream: an expert's bias is weighted by the token's probability here.
-            output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)
+            output = paths.add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None
         return output, output_bias
 

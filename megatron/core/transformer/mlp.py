@@ -22,6 +22,7 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
     TE_MODULE_PATH,
     UNFUSED_PATH,
     activate,
+    add_weighted_output_bias,
     per_token_probs,
     select_activation_path,
     select_layer_activation,
@@ -218,8 +219,7 @@ class MLP(MegatronModule):
 
         if per_token_scale is not None and output_bias is not None:
             # Every token's contribution, bias included, is weighted by its router probability.
-            scaled_bias = output_bias * per_token_scale.unsqueeze(-1)
-            output = output + scaled_bias.to(output.dtype)
+            output = add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None
         return output, output_bias
 

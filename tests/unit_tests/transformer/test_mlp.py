@@ -507,3 +507,47 @@ def test_clamp_beyond_the_dtype_range_bounds_nothing_finite(pg, path):
         expected, _ = plain(x)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class _ViewOfNewTensor(torch.autograd.Function):
+    """Returns its input as a view made inside the Function, as Transformer Engine's linears do;
+    autograd refuses to modify such an output in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone().view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("path", [UNFUSED, FUSED])
+@pytest.mark.parametrize("entry", ["swiglu", "quick_geglu_gpt_oss"])
+def test_weighted_fc2_bias_is_added_out_of_place_and_rounded_once(pg, path, entry):
+    """An expert's fc2 bias, weighted per token, joins an fc2 output that autograd forbids to
+    modify in place (Transformer Engine's); the sum is taken in float32 and rounded once."""
+    config = make_config(entry, torch.bfloat16, path, **moe_kwargs(entry))
+    mlp = build_mlp(config, pg)
+    randomize_(mlp, torch.bfloat16, seed=5)
+    fc2_forward = mlp.linear_fc2.forward
+    seen = {}
+
+    def fc2_with_view_output(x):
+        out, bias = fc2_forward(x)
+        seen["out"], seen["bias"] = out.detach().clone(), bias.detach().clone()
+        return _ViewOfNewTensor.apply(out), bias
+
+    mlp.linear_fc2.forward = fc2_with_view_output
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(SEQ, BATCH, config.hidden_size, generator=gen).to(torch.bfloat16)
+    scale = torch.rand(SEQ, BATCH, generator=gen)
+    with kernel_mode(path):
+        out, out_bias = mlp(x.requires_grad_(), per_token_scale=scale)
+        out.float().sum().backward()
+    assert out_bias is None
+    # What upstream's in-place add computes on a tensor it may modify: the same bits.
+    expected = seen["out"].clone()
+    expected += seen["bias"].unsqueeze(0) * scale.unsqueeze(-1)
+    assert torch.equal(out.detach(), expected)
+    assert x.grad is not None and torch.isfinite(x.grad).all()
