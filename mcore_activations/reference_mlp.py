@@ -4,6 +4,8 @@ The one model of an MLP (or of one expert) that the activation audits
 (``megatron.core.transformer.activation_audit``, ``mcore_activations.upstream_audit``) and the
 layer tests compare every path with. Callers pass float64 tensors; autograd through the result
 gives the reference gradients of the input, the weights, the biases and the probabilities.
+:func:`layer_reference` and :func:`grouped_layer_reference` read the weights from a layer's
+``named_parameters()`` names, which this fork shares with upstream megatron-core.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from mcore_activations.activation_spec import ActivationSpec
 
@@ -103,3 +106,74 @@ def reference_experts(
         at_i = None if at is None else (lambda h, i=index: at(i, h))
         outputs.append(reference_mlp(x_i, spec=spec, probs=p_i, at=at_i, **weights))
     return torch.cat(outputs)
+
+
+def _norm(x, params, prefix, config):
+    # The LayerNorm / RMSNorm a TE LayerNorm linear fuses into fc1, if the layer has one.
+    weight = params.get(f"{prefix}layer_norm_weight")
+    if weight is None:
+        return x
+    if config.layernorm_zero_centered_gamma:
+        weight = weight + 1
+    if config.normalization == "RMSNorm":
+        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
+        return x * rms * weight
+    bias = params.get(f"{prefix}layer_norm_bias")
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, config.layernorm_epsilon)
+
+
+def _fc1_at(bias, dtype):
+    # The activation sees fc1's output (bias included) rounded as the layer rounds it
+    # (at_precision): near a clamp edge the rounding decides the gradient.
+    def at(h):
+        return at_precision(h if bias is None else h + bias, dtype)
+
+    return at
+
+
+def layer_reference(params, x, spec, config, prefix="", probs=None, dtype=torch.float64):
+    """:func:`reference_mlp` of an ``MLP`` layer from its parameters.
+
+    Args:
+        params: ``{name: float64 tensor}`` keyed as the layer's ``named_parameters()``
+            (``linear_fc1.weight``, optional ``linear_fc1.bias``, ``linear_fc2.bias``, and
+            ``linear_fc1.layer_norm_weight`` / ``_bias`` of a TE LayerNorm linear).
+        x: The layer's input, float64.
+        spec: The layer's activation.
+        config: The layer's ``TransformerConfig`` (its norm settings).
+        prefix: Prefix of the names, e.g. ``local_experts.0.``.
+        probs: Per-row weights, or None.
+        dtype: The layer's compute dtype: the activation is evaluated at fc1's output rounded to
+            it (:func:`at_precision`).
+    """
+    return reference_mlp(
+        _norm(x, params, f"{prefix}linear_fc1.", config),
+        params[f"{prefix}linear_fc1.weight"],
+        params[f"{prefix}linear_fc2.weight"],
+        spec,
+        fc2_bias=params.get(f"{prefix}linear_fc2.bias"),
+        probs=probs,
+        at=_fc1_at(params.get(f"{prefix}linear_fc1.bias"), dtype),
+    )
+
+
+def grouped_layer_reference(params, x, spec, tokens_per_expert, probs, dtype=torch.float64):
+    """:func:`reference_experts` of a grouped-GEMM expert layer from its parameters.
+
+    ``params`` is keyed as ``TEGroupedMLP.named_parameters()``: ``linear_fc1.weight{i}``,
+    ``linear_fc2.weight{i}`` and optional ``linear_fc1.bias{i}`` / ``linear_fc2.bias{i}``.
+    Other arguments as for :func:`layer_reference`.
+    """
+    experts = [
+        dict(
+            fc1_weight=params[f"linear_fc1.weight{i}"],
+            fc2_weight=params[f"linear_fc2.weight{i}"],
+            fc2_bias=params.get(f"linear_fc2.bias{i}"),
+        )
+        for i in range(len(tokens_per_expert))
+    ]
+
+    def at(i, h):
+        return _fc1_at(params.get(f"linear_fc1.bias{i}"), dtype)(h)
+
+    return reference_experts(x, tokens_per_expert, experts, spec, probs, at)

@@ -34,7 +34,16 @@ from mcore_activations.activation_spec import (
     ActivationSpec,
     UnsupportedActivationError,
 )
-from mcore_activations.reference_mlp import reference_experts, reference_mlp
+from mcore_activations.audit_cells import (
+    ERROR,
+    MATCH,
+    MISMATCH,
+    REFUSED,
+    UNAVAILABLE,
+    UPSTREAM_RULE,
+    reason,
+)
+from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
 MATCH_RTOL = 1e-5  # norm-relative error of fp32 GEMMs and fp32 activation math vs float64
 # Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
@@ -90,7 +99,7 @@ HIDDEN, FFN, TOKENS, EXPERTS = 32, 48, 24, 2
 def _config(fields: dict, *, fused: bool, device: str):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    base = dict(
         num_layers=1,
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
@@ -102,8 +111,8 @@ def _config(fields: dict, *, fused: bool, device: str):
         bias_activation_fusion=fused,
         use_cpu_initialization=device == "cpu",
         params_dtype=torch.float32,
-        **fields,
     )
+    return TransformerConfig(**{**base, **fields})
 
 
 # --------------------------------------------------------------------------------- the paths
@@ -126,26 +135,21 @@ def _te_submodules():
     return MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)
 
 
-def _fc1_input(fc1, x: torch.Tensor) -> torch.Tensor:
-    """fc1's input after its fused LayerNorm, when fc1 has one (TE LayerNorm linears)."""
-    weight = getattr(fc1, "layer_norm_weight", None)
-    if weight is None:
-        return x
-    bias = getattr(fc1, "layer_norm_bias", None)
-    eps = getattr(fc1, "eps", 1e-5)
-    return F.layer_norm(
-        x, x.shape[-1:], weight.double(), None if bias is None else bias.double(), eps
-    )
+def _with_bias(result):
+    # MLP-like layers return ``(output, output_bias)`` and leave adding fc2's bias to the caller
+    # (upstream fuses it with dropout); the reference includes it, so the audit adds it too.
+    output, bias = result
+    return output if bias is None else output + bias
 
 
-def _mlp_reference(layer, x: torch.Tensor, probs=None) -> torch.Tensor:
-    return reference_mlp(
-        _fc1_input(layer.linear_fc1, x),
-        layer.linear_fc1.weight.double(),
-        layer.linear_fc2.weight.double(),
-        ActivationSpec.from_config(layer.config),
-        probs=None if probs is None else probs.double(),
-    )
+def _mlp_reference(layer, prefix=""):
+    """``(params64, x64) -> output``: the float64 reference MLP on ``layer``'s parameters."""
+
+    def reference(params, x, probs=None):
+        spec = ActivationSpec.from_config(layer.config)
+        return layer_reference(params, x, spec, layer.config, prefix, probs)
+
+    return reference
 
 
 def _build_mlp(config, submodules, cls=None):
@@ -165,7 +169,7 @@ def path_mlp(fields, *, fused, device, te=False, cls_name=None):
         if cls is None:
             raise _NotAvailable(f"{cls_name} is not defined (Transformer Engine missing or old)")
     layer = _build_mlp(config, _te_submodules() if te else _local_submodules(), cls).to(device)
-    return layer, lambda x: layer(x)[0], lambda x: _mlp_reference(layer, x)
+    return layer, lambda x: _with_bias(layer(x)), _mlp_reference(layer)
 
 
 def _pg_collection():
@@ -181,7 +185,7 @@ def path_shared(fields, *, fused, device):
     layer = SharedExpertMLP(
         config, _local_submodules(), gate=False, pg_collection=_pg_collection()
     ).to(device)
-    return layer, layer, lambda x: _mlp_reference(layer, x)
+    return layer, layer, _mlp_reference(layer)
 
 
 def path_sequential(fields, *, fused, device):
@@ -195,12 +199,14 @@ def path_sequential(fields, *, fused, device):
     probs = torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
 
     def run(x):
-        return layer(x, split, probs)[0]
+        return _with_bias(layer(x, split, probs))
 
-    def reference(x):
+    def reference(params, x):
         parts, start = [], 0
-        for expert, n in zip(layer.local_experts, split.tolist()):
-            parts.append(_mlp_reference(expert, x[start : start + n], probs[start : start + n]))
+        for i, n in enumerate(split.tolist()):
+            rows = slice(start, start + n)
+            expert = _mlp_reference(layer.local_experts[i], f"local_experts.{i}.")
+            parts.append(expert(params, x[rows], probs[rows].double()))
             start += n
         return torch.cat(parts)
 
@@ -225,17 +231,10 @@ def path_te_grouped(fields, *, fused, device):
     spec = ActivationSpec.from_config(config)
 
     def run(x):
-        return layer(x, split, probs)[0]
+        return _with_bias(layer(x, split, probs))
 
-    def reference(x):
-        experts = [
-            dict(
-                fc1_weight=getattr(layer.linear_fc1, f"weight{i}").double(),
-                fc2_weight=getattr(layer.linear_fc2, f"weight{i}").double(),
-            )
-            for i in range(EXPERTS)
-        ]
-        return reference_experts(x, split.tolist(), experts, spec, probs.double())
+    def reference(params, x):
+        return grouped_layer_reference(params, x, spec, split.tolist(), probs.double())
 
     return layer, run, reference
 
@@ -283,13 +282,14 @@ def audit_cell(build: Callable, fields: dict, device: str) -> str:
     try:
         layer, run, reference = build(fields)
     except _NotAvailable as err:
-        return f"n/a ({err})"
+        return f"{UNAVAILABLE} ({reason(err)})"
     except UnsupportedActivationError as err:
-        return f"refused ({str(err).splitlines()[0][:110]})"
-    except ValueError as err:
-        return f"config rejected by upstream ({str(err).splitlines()[0][:70]})"
+        return f"{REFUSED} ({reason(err)})"
+    except (ValueError, AssertionError) as err:
+        # Upstream states its config rules as ValueError (TransformerConfig) or assert (layers).
+        return f"{UPSTREAM_RULE} ({reason(err)})"
     except Exception as err:  # noqa: BLE001 - the audit reports every failure as a cell
-        return f"error at build ({type(err).__name__}: {str(err)[:90]})"
+        return f"{ERROR} at build ({type(err).__name__}: {reason(err)})"
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
@@ -301,15 +301,46 @@ def audit_cell(build: Callable, fields: dict, device: str) -> str:
         grad_out = torch.randn(out.shape, generator=gen).to(device)
         out.backward(grad_out)
     except Exception as err:  # noqa: BLE001
-        message = str(err).splitlines()[0] if str(err) else ""
-        if any(marker in message for marker in _HARDWARE_LIMITS):
-            return f"n/a on this GPU ({message[:90]})"
-        return f"error ({type(err).__name__}: {message[:90]})"
+        message = reason(err)
+        if any(marker in str(err) for marker in _HARDWARE_LIMITS):
+            return f"{UNAVAILABLE} on this GPU ({message})"
+        return f"{ERROR} ({type(err).__name__}: {message})"
+    params = dict(layer.named_parameters())
+    params64 = {name: p.detach().double().requires_grad_(True) for name, p in params.items()}
     x64 = x.detach().double().requires_grad_(True)
-    ref = reference(x64)
+    ref = reference(params64, x64)
     ref.backward(grad_out.double())
-    err = max(_rel(out.detach(), ref.detach()), _rel(x.grad, x64.grad))
-    return f"match ({err:.1e})" if err <= MATCH_RTOL else f"MISMATCH ({err:.1e})"
+    return _verdict(
+        {"output": (out.detach(), ref.detach()), "dx": (x.grad, x64.grad)},
+        {name: (p.grad, params64[name].grad) for name, p in params.items()},
+    )
+
+
+def _verdict(results: dict, gradients: dict) -> str:
+    """The cell for ``{quantity: (layer's, reference's)}`` and the parameter gradients.
+
+    A parameter the reference gives a gradient must get one from the layer (a dropped bias
+    does not); one the reference does not read (e.g. an unused norm) is not judged.
+    """
+    problems, errors = [], {}
+    for name, (got, expected) in gradients.items():
+        if expected is None:
+            continue
+        if got is None:
+            problems.append(f"d{name}: the layer gives no gradient where the reference has one")
+        else:
+            results[f"d{name}"] = (got, expected)
+    for name, (got, expected) in results.items():
+        if not torch.isfinite(got).all():
+            problems.append(f"{name}: non-finite values (NaN or inf) in the layer's result")
+        else:
+            errors[name] = _rel(got, expected)
+    if problems:
+        return f"{MISMATCH} ({'; '.join(problems)})"
+    worst = max(errors, key=errors.get)
+    if errors[worst] <= MATCH_RTOL:
+        return f"{MATCH} ({errors[worst]:.1e})"
+    return f"{MISMATCH} ({errors[worst]:.1e}, worst: {worst})"
 
 
 # --------------------------------------------------------------------- stale compiled scalars
@@ -325,7 +356,9 @@ def stale_scalar_row(device: str) -> dict[str, str]:
     from megatron.core.fusions import fused_bias_swiglu as f
 
     if not hasattr(f, "clamped_swiglu"):
-        return {"compiled clamped_swiglu (#6918 sequence)": "n/a (this upstream has none)"}
+        return {
+            "compiled clamped_swiglu (#6918 sequence)": f"{UNAVAILABLE} (this upstream has none)"
+        }
     worst = 0.0
     for shape, grad, clamp in (((1, 2), False, 1.0), ((1, 4), True, 0.5), ((1, 4), True, 1.0)):
         spec = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=clamp)

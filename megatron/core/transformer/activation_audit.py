@@ -54,11 +54,17 @@ from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - t
 
 # ----------------------------------------------------------------------------- running
 def _scale_fc1(module, std=8.0):
-    """Scales fc1 weights so pre-activations have std ~``std``: clamps and tanh scales bite."""
+    """Scales fc1 weights so pre-activations have std ~``std``: clamps and tanh scales bite.
+
+    Biases (zero after Megatron's init) get random values too, so a path that drops or misplaces
+    a bias changes the output, not only a gradient.
+    """
     with torch.no_grad():
         for name, param in module.named_parameters():
             if "linear_fc1.weight" in name and param.dim() == 2:
                 param.normal_(0.0, std / math.sqrt(param.shape[1]))
+            elif ".bias" in name and "layer_norm" not in name:
+                param.normal_(0.0, 1.0)
 
 
 def _max_rel(got, ref):
@@ -66,6 +72,12 @@ def _max_rel(got, ref):
     if not torch.isfinite(got).all():
         return math.inf
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+
+
+# Why a compared quantity has no finite error; the cell names it instead of a number.
+NON_FINITE = "non-finite values (NaN or inf) in the layer's result"
+NO_GRADIENT = "the layer gives no gradient where the reference has one"
+EXTRA_GRADIENT = "the layer gives a gradient where the reference has none"
 
 
 def _run(path, module, x, probs, tpe, grad=None, generator=None):
@@ -128,16 +140,21 @@ def _norm_rel(got, ref):
     return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
-def _errors(out, dx, grads, ref_out, ref_dx, ref_grads, metric=_max_rel) -> dict:
+def _errors(out, dx, grads, ref_out, ref_dx, ref_grads, metric=_max_rel) -> tuple[dict, dict]:
+    """``({quantity: error}, {quantity: why it has no finite error})`` of one layer run."""
     errors = {"output": metric(out, ref_out), "dx": metric(dx, ref_dx)}
+    problems = {}
     for name, got in grads.items():
         expected = ref_grads.get(name)
         if got is None or expected is None:
             if (got is None) != (expected is None):
-                errors[f"d{name}"] = math.inf
+                problems[f"d{name}"] = NO_GRADIENT if got is None else EXTRA_GRADIENT
             continue
         errors[f"d{name}"] = metric(got, expected)
-    return errors
+    for name, error in errors.items():
+        if not math.isfinite(error):
+            problems[name] = NON_FINITE
+    return {k: v for k, v in errors.items() if k not in problems}, problems
 
 
 def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
@@ -173,7 +190,7 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
         p_grads = _grads_in_checkpoint_layout(parent)
         # ||a - b|| / ||b||, the fused-MLP PR's metric: the grouped GEMMs accumulate in another
         # order than the parent's, which moves single elements by ~1e-5 of the largest.
-        errors = _errors(out, dx, grads, p_out, p_dx, p_grads, metric=_norm_rel)
+        errors, problems = _errors(out, dx, grads, p_out, p_dx, p_grads, metric=_norm_rel)
         against = f"vs {type(parent).__name__} on the same weights"
     else:
         # The reference reads the parameters as the module holds them in memory, so the
@@ -185,8 +202,12 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
         ref = path.reference(params64, x64, module, probs.double(), tpe)
         ref.backward(grad.double())
         ref_grads = {name: p.grad for name, p in params64.items()}
-        errors = _errors(out, dx, grads, ref, x64.grad, ref_grads)
+        errors, problems = _errors(out, dx, grads, ref, x64.grad, ref_grads)
         against = "vs the float64 reference"
+    if problems:
+        # No number describes these; the cell carries no error value (JSON stays strict).
+        why = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
+        return Cell(path.name, act_name, "MISMATCH", None, f"{against}; {why}")
     worst_name = max(errors, key=errors.get)
     worst = errors[worst_name]
     status = "match" if worst <= TOLERANCE[dtype] else "MISMATCH"
@@ -463,7 +484,8 @@ def main(argv=None) -> int:
     for reason, paths in unavailable.items():
         print(f"- {', '.join(paths)}: unavailable: {reason}", file=report)
     if args.json:
-        payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1)
+        # Strict JSON: a non-finite number would be written as the non-JSON token Infinity.
+        payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1, allow_nan=False)
         if json_file is None:
             print(payload)
         else:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mcore_activations import activations
 from mcore_activations.fusions.fused_bias_geglu import quick_gelu
-from mcore_activations.reference_mlp import at_precision, reference_experts, reference_mlp
+from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
 HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
 
@@ -69,58 +69,16 @@ class Cell:
 
 
 # ----------------------------------------------------------------------------- references
-def _norm(x, params, prefix, config):
-    weight = params.get(f"{prefix}layer_norm_weight")
-    if weight is None:
-        return x
-    if config.layernorm_zero_centered_gamma:
-        weight = weight + 1
-    if config.normalization == "RMSNorm":
-        rms = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.layernorm_epsilon)
-        return x * rms * weight
-    bias = params.get(f"{prefix}layer_norm_bias")
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, config.layernorm_epsilon)
-
-
 def _layer_dtype(module) -> torch.dtype:
     return next(module.parameters()).dtype
 
 
-def _fc1_at(bias, dtype):
-    # The activation sees fc1's output (bias included) rounded as the layer rounds it
-    # (reference_mlp.at_precision): near a clamp edge the rounding decides the gradient.
-    def at(h):
-        return at_precision(h if bias is None else h + bias, dtype)
-
-    return at
-
-
 def _mlp_reference(params, x, spec, config, prefix="", probs=None, dtype=torch.float64):
-    return reference_mlp(
-        _norm(x, params, f"{prefix}linear_fc1.", config),
-        params[f"{prefix}linear_fc1.weight"],
-        params[f"{prefix}linear_fc2.weight"],
-        spec,
-        fc2_bias=params.get(f"{prefix}linear_fc2.bias"),
-        probs=probs,
-        at=_fc1_at(params.get(f"{prefix}linear_fc1.bias"), dtype),
-    )
+    return layer_reference(params, x, spec, config, prefix, probs, dtype)
 
 
 def _grouped_reference(params, x, spec, config, tokens_per_expert, probs, dtype=torch.float64):
-    experts = [
-        dict(
-            fc1_weight=params[f"linear_fc1.weight{i}"],
-            fc2_weight=params[f"linear_fc2.weight{i}"],
-            fc2_bias=params.get(f"linear_fc2.bias{i}"),
-        )
-        for i in range(len(tokens_per_expert))
-    ]
-
-    def at(i, h):
-        return _fc1_at(params.get(f"linear_fc1.bias{i}"), dtype)(h)
-
-    return reference_experts(x, tokens_per_expert, experts, spec, probs, at)
+    return grouped_layer_reference(params, x, spec, tokens_per_expert, probs, dtype)
 
 
 # ----------------------------------------------------------------------------- paths
@@ -227,8 +185,16 @@ def _experts(cls_name, grouped, **extra):
     return build
 
 
+def _with_bias(result):
+    # MLP-like layers return ``(output, output_bias)`` and leave adding fc2's bias to the caller
+    # (upstream fuses it with dropout). The reference includes that bias, so the audit adds it
+    # as the caller would: dropping it would leave the bias without a gradient.
+    output, bias = result
+    return output if bias is None else output + bias
+
+
 def _run_mlp(module, x, probs, tpe):
-    return module(x)[0]
+    return _with_bias(module(x))
 
 
 def _run_shared(module, x, probs, tpe):
@@ -236,7 +202,7 @@ def _run_shared(module, x, probs, tpe):
 
 
 def _run_experts(module, x, probs, tpe):
-    return module(x, torch.tensor(tpe), probs.reshape(-1))[0]
+    return _with_bias(module(x, torch.tensor(tpe), probs.reshape(-1)))
 
 
 def _ref_mlp(params, x, module, probs, tpe):
