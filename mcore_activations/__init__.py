@@ -20,6 +20,12 @@ __all__ = [
 ]
 
 
+if __import__("os").environ.get("MCORE_ACTIVATIONS_PATCH", "").strip():
+    from mcore_activations import _startup
+
+    _startup.run()
+
+
 def __getattr__(name):
     if name in ("patch_megatron_core", "unpatch_megatron_core", "patch_report"):
         from mcore_activations import megatron_patch

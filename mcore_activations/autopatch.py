@@ -1,12 +1,15 @@
 """``MCORE_ACTIVATIONS_PATCH=1``: patch upstream megatron-core as soon as it is imported.
 
-The package's .pth file imports this module at interpreter start-up when the variable is set
-(to anything but ``0``), so training scripts nobody edits get the patch too. It imports neither
-torch nor megatron-core: it registers an import hook, and the patch runs right after
-``megatron.core`` finishes importing, before the script can build a model. An upstream the patch
-does not know makes that import fail with the patch's error: the variable asked for exact
-activations, and running without them would be the silent failure this package exists to end.
-Set ``MCORE_ACTIVATIONS_PATCH=quiet`` to skip the one-line report on stderr.
+The package's .pth file imports this module at interpreter start-up when the variable is set, so
+training scripts nobody edits get the patch too. The value is parsed strictly
+(:func:`mcore_activations.patch_env.patch_mode`): ``1/true/yes/on`` patch, ``quiet`` patches
+without the one-line report, ``0/false/no/off`` or empty do nothing, and anything else makes the
+import of ``megatron.core`` fail with an error naming the variable (a typo must not decide
+silently whether a run is patched). It imports neither torch nor megatron-core: it registers an
+import hook, and the patch runs right after ``megatron.core`` finishes importing, before the
+script can build a model. An upstream the patch does not know makes that import fail with the
+patch's error: the variable asked for exact activations, and running without them would be the
+silent failure this package exists to end.
 """
 
 from __future__ import annotations
@@ -15,18 +18,24 @@ import importlib.abc
 import os
 import sys
 
+from mcore_activations.patch_env import ENV_VAR, patch_mode
+
 _TARGET = "megatron.core"
 
 
 def _after_import() -> None:
+    global _DONE
+    _DONE = True
+    mode = patch_mode()  # raises for a value it does not understand
+    if mode == "off":
+        return
     from mcore_activations import megatron_patch
 
     if megatron_patch.is_standalone_fork():
         return  # this project's own megatron.core computes the activations already
     report = megatron_patch.patch_megatron_core()
-    quiet = os.environ.get(megatron_patch.ENV_VAR, "").lower() == "quiet"
-    if not quiet and os.environ.get("RANK", "0") == "0":
-        print(f"{megatron_patch.ENV_VAR}: {report.summary()}", file=sys.stderr)
+    if mode != "quiet" and os.environ.get("RANK", "0") == "0":
+        print(f"{ENV_VAR}: {report.summary()}", file=sys.stderr)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
@@ -66,8 +75,27 @@ def _uninstall() -> None:
         sys.meta_path.remove(_FINDER)
 
 
+_DONE = False  # set once the hook has run
+
+
+def installed() -> bool:
+    """Whether the hook is waiting for ``megatron.core``'s import, or has run."""
+    return _FINDER in sys.meta_path or _DONE
+
+
 def install() -> None:
-    """Patches now if megatron.core is already imported, else right after its import."""
+    """Patches now if megatron.core is already imported, else right after its import.
+
+    A value of the variable that :func:`patch_mode` refuses is reported on stderr now and makes
+    the import of ``megatron.core`` fail, so the run stops before it trains unpatched.
+    """
+    try:
+        mode = patch_mode()
+    except ValueError as err:
+        print(f"mcore_activations: {err}", file=sys.stderr)
+        mode = "invalid"
+    if mode == "off":
+        return
     if _TARGET in sys.modules:
         _after_import()
     elif _FINDER not in sys.meta_path:
