@@ -124,12 +124,21 @@ def select_layer_activation(
 def per_token_probs(per_token_scale: Optional[torch.Tensor], x: torch.Tensor):
     """``per_token_scale`` (one weight per row of ``x``) as ``[..., 1]`` probabilities, or None.
 
+    An integer or boolean scale is converted to float32, so every path computes what upstream's
+    MLP computes with it (its product with the activation promotes it to a float).
+
     Raises:
+        TypeError: the scale is not a real tensor (e.g. complex).
         ValueError: the scale is not shaped like ``x.shape[:-1]``; a ``[s, 1]`` or 0-d scale
             would broadcast on the unfused path and be refused by the fused kernels.
     """
     if per_token_scale is None:
         return None
+    if not isinstance(per_token_scale, torch.Tensor) or per_token_scale.is_complex():
+        got = getattr(per_token_scale, "dtype", type(per_token_scale).__name__)
+        raise TypeError(f"per_token_scale must be a real tensor, one weight per token; got {got}.")
+    if not per_token_scale.is_floating_point():
+        per_token_scale = per_token_scale.to(torch.float32)
     if tuple(per_token_scale.shape) != tuple(x.shape[:-1]):
         raise ValueError(
             f"per_token_scale of shape {tuple(per_token_scale.shape)} does not match the "

@@ -449,6 +449,12 @@ def fc1_weight_to_blocks(module, state_dict, prefix, *args) -> None:
         state_dict[key] = glu_rows_to_blocks(state_dict[key], module.glu_interleave_size)
 
 
+def _clamp_in_float32(t: torch.Tensor, low: Optional[float], high: float) -> torch.Tensor:
+    if t.dtype in (torch.float32, torch.float64):
+        return torch.clamp(t, low, high)
+    return torch.clamp(t.float(), low, high).to(t.dtype)
+
+
 def unfused_activation(
     x: torch.Tensor,
     spec: ActivationSpec,
@@ -473,12 +479,14 @@ def unfused_activation(
     if spec.gated:
         gate, lin = deinterleave_glu(x, spec.glu_interleave_size)
         if spec.clamp_value is not None:
-            # torch.clamp refuses a Python bound the tensor's dtype cannot hold (fp16 and
-            # c = 1e5). Such a clamp bounds no finite value of that dtype, so capping it at the
-            # dtype's largest finite value computes the same on every finite input.
-            c = min(spec.clamp_value, torch.finfo(gate.dtype).max)
-            gate = torch.clamp(gate, max=c)
-            lin = torch.clamp(lin, -c, c)
+            # The clamp and its gradient masks are taken in float32, as the fused kernels and
+            # the reference take them: clamping a bf16 / fp16 tensor with a Python bound rounds
+            # the bound to that dtype (7.02 -> 7.03125 in bf16), so an input just above the true
+            # bound would keep its gradient. The clamped values are rounded back to the input
+            # dtype, so the forward is the one upstream's eager clamp computes.
+            c = spec.clamp_value
+            gate = _clamp_in_float32(gate, None, c)
+            lin = _clamp_in_float32(lin, -c, c)
         act = situ(gate, spec.gate_tanh_scale) if spec.is_situ_glu else func(gate)
         if spec.linear_tanh_scale is not None:
             lin = tanh_soft_clamp(lin, spec.linear_tanh_scale)

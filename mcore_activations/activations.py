@@ -18,7 +18,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mcore_activations.fusions.kernel_params import params_tensor, tensor_arguments
+from mcore_activations.fusions.kernel_params import (
+    params_tensor,
+    scalar_argument,
+    tensor_arguments,
+)
 from mcore_activations.jit import jit_fuser
 
 # The constants of the approximations below, named once for the whole package.
@@ -62,7 +66,9 @@ def _situ(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def _checked_scale(name: str, scale) -> float:
-    value = float(scale)
+    value = scalar_argument(name, scale)
+    if value is None:
+        raise TypeError(f"{name} must be a real number, got None.")
     if not value > 0.0 or value == float("inf"):
         raise ValueError(f"{name} must be finite and greater than zero, got {scale!r}.")
     return value

@@ -40,12 +40,24 @@ def activation_forward(
     Differentiable, like the ``@jit_fuser`` functions upstream names this way: with gradients
     required it runs through :class:`FusedActivationFunction` (the fused backward kernel),
     otherwise straight through the forward op. ``eager=True`` runs the torch reference math
-    instead (the eager twin of the compiled entry points; autograd differentiates it).
+    instead (the eager twin of the compiled entry points; autograd differentiates it). The
+    inputs are checked first (:func:`check_inputs`), as in every public entry point.
     """
+    check_inputs(spec, x, bias, probs)
     if not eager and torch.is_grad_enabled() and _any_requires_grad(x, bias, probs):
-        # save_and_forward checks the inputs before any kernel runs.
-        return FusedActivationFunction.apply(x, bias, probs, spec, False, False)
+        return _apply_fused(spec, x, bias, probs, False, False)
     return _forward_no_autograd(spec, x, bias, probs, eager)
+
+
+def _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input):
+    # The rows are flattened outside the autograd Function, as upstream's impls do: an output
+    # reshaped inside it would be a view made in a custom Function, and autograd refuses in-place
+    # ops on those (``bias_swiglu_impl(x3d, None).mul_(2)``).
+    x2d, probs2d = _flatten(x, probs)
+    out = FusedActivationFunction.apply(
+        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input
+    )
+    return out if x2d is x else _unflatten(out, x.shape)
 
 
 def _forward_no_autograd(spec, x, bias, probs, eager=False):
@@ -58,7 +70,12 @@ def _forward_no_autograd(spec, x, bias, probs, eager=False):
 
 
 def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *, eager=False):
-    """Raw backward kernel on any-rank inputs: ``(dx, dbias or None, dprobs or None)``."""
+    """Raw backward kernel on any-rank inputs: ``(dx, dbias or None, dprobs or None)``.
+
+    Checks its inputs as :func:`activation_forward` does, and ``grad`` against the output shape.
+    """
+    check_inputs(spec, x, bias, probs)
+    check_grad(spec, grad, x)
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     x2d, probs2d = _flatten(x, probs)
     grad2d = grad.reshape(x2d.shape[0], grad.shape[-1])
@@ -79,12 +96,17 @@ def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
     """Refuses inputs for which the kernels would compute something other than ``spec``.
 
     Raises:
-        TypeError: a tensor that is not float32, bfloat16, float16 or float64.
+        TypeError: an argument that is not a tensor, or a tensor that is not float32, bfloat16,
+            float16 or float64.
         ValueError: a last dimension that is 0, odd for a GLU or not a multiple of twice the
             GLU interleave block; a bias that is not ``[width]``; probabilities that are not
             one per row (``x.shape[:-1]``, optionally with a trailing 1, or flattened).
     """
     for name, tensor in (("input", x), ("bias", bias), ("probs", probs)):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"fused activation {name} must be a torch.Tensor, got {type(tensor).__name__}."
+            )
         if tensor is not None and tensor.dtype not in _FLOAT_DTYPES:
             raise TypeError(
                 f"fused activation {name} must be float32, bfloat16, float16 or float64, got "
@@ -120,6 +142,28 @@ def check_inputs(spec: ActivationSpec, x, bias=None, probs=None) -> None:
             )
 
 
+def check_grad(spec: ActivationSpec, grad, x) -> None:
+    """Refuses an output gradient the backward kernels would misread (after :func:`check_inputs`).
+
+    Raises:
+        TypeError: ``grad`` is not a float32, bfloat16, float16 or float64 tensor.
+        ValueError: ``grad`` does not have one value per output element (``[..., F]``).
+    """
+    if not isinstance(grad, torch.Tensor) or grad.dtype not in _FLOAT_DTYPES:
+        got = grad.dtype if isinstance(grad, torch.Tensor) else type(grad).__name__
+        raise TypeError(
+            f"fused activation grad must be a float32, bfloat16, float16 or float64 tensor, got "
+            f"{got}."
+        )
+    width = x.shape[-1] // 2 if spec.gated else x.shape[-1]
+    rows_match = grad.numel() * x.shape[-1] == x.numel() * width
+    if grad.dim() == 0 or grad.shape[-1] != width or not rows_match:
+        raise ValueError(
+            f"grad of shape {tuple(grad.shape)} does not match the activation output of the "
+            f"input {tuple(x.shape)}: expected {(*x.shape[:-1], width)}."
+        )
+
+
 def _unflatten(out, input_shape):
     return out.view(*input_shape[:-1], out.shape[-1])
 
@@ -136,11 +180,15 @@ def _flatten(x, probs):
 def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offload_input=False):
     """Forward half of every activation ``autograd.Function`` in megatron.core.fusions.
 
-    Runs the kernel on 2-D inputs and saves only the activation input (optionally as fp8 e4m3,
-    which is lossy: the backward then differentiates at the rounded input) plus bias and
-    probabilities; the backward kernel recomputes the forward.
+    Checks the inputs (:func:`check_inputs`), runs the kernel on 2-D inputs and saves only the
+    activation input (optionally as fp8 e4m3, which is lossy: the backward then differentiates
+    at the rounded input) plus bias and probabilities; the backward kernel recomputes the forward.
     """
     check_inputs(spec, x, bias, probs)
+    return _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+
+
+def _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input):
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     params = params_tensor(spec_params(spec), x.device)
     # The kernels work on rows; any leading shape is flattened here and restored on the way out.
@@ -159,7 +207,12 @@ def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offlo
     ctx.params = params
     ctx.variant = variant
     ctx.input_dtype = x.dtype
-    return out if x.shape == ctx.input_shape else _unflatten(out, ctx.input_shape)
+    if x.shape == ctx.input_shape:
+        return out
+    # An upstream-named Function applied to an N-D input (``bias_gelu_impl`` is one) returns a
+    # tensor of that rank. A view made here would be a view created in a custom Function, which
+    # autograd forbids modifying in place; ``detach`` gives the same memory as a plain tensor.
+    return _unflatten(out, ctx.input_shape).detach()
 
 
 def saved_backward(ctx, grad):
@@ -179,12 +232,16 @@ def saved_backward(ctx, grad):
 
 
 class FusedActivationFunction(torch.autograd.Function):
-    """Autograd wrapper of the activation kernels (see :func:`save_and_forward`)."""
+    """Autograd wrapper of the activation kernels (see :func:`save_and_forward`).
+
+    It does not check its inputs: :func:`fused_activation` and :func:`activation_forward` do,
+    on the caller's shapes, before applying it to the flattened rows.
+    """
 
     @staticmethod
     def forward(ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input):
-        """Runs the forward kernel of ``spec``."""
-        return save_and_forward(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+        """Runs the forward kernel of ``spec`` on inputs its callers have checked."""
+        return _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
 
     @staticmethod
     def backward(ctx, grad):
@@ -246,11 +303,9 @@ def fused_activation(
         ``[..., F]`` in ``x.dtype``.
     """
     lower_to_fused_kernel(spec, "fused_activation")
+    check_inputs(spec, x, bias, probs)
     if not (torch.is_grad_enabled() and _any_requires_grad(x, bias, probs)):
         # Nothing to differentiate: skip the autograd function and what it saves (its host
         # cost is a large part of a small call's time).
-        check_inputs(spec, x, bias, probs)
         return _forward_no_autograd(spec, x, bias, probs)
-    # The inputs are checked in the autograd function's forward (save_and_forward), before any
-    # kernel runs; a refusal there leaves no autograd record behind.
-    return FusedActivationFunction.apply(x, bias, probs, spec, fp8_input_store, cpu_offload_input)
+    return _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input)

@@ -27,15 +27,23 @@ from mcore_activations.fusions.fused_activation import (
     save_and_forward,
     saved_backward,
 )
+from mcore_activations.fusions.kernel_params import scalar_argument
 from mcore_activations.jit import jit_fuser
 
 GEGLU = ActivationSpec(ActivationKind.GELU_TANH, gated=True)
 
 
 def quick_geglu_spec(linear_offset=0.0, clamp_value=None) -> ActivationSpec:
-    """Quick-GEGLU with a linear offset and an optional clamp (gpt-oss: offset 1, clamp 7)."""
-    if isinstance(linear_offset, torch.Tensor):
-        linear_offset = float(linear_offset)
+    """Quick-GEGLU with a linear offset and an optional clamp (gpt-oss: offset 1, clamp 7).
+
+    Raises:
+        TypeError: ``linear_offset`` or ``clamp_value`` is not a real number.
+        ValueError: the clamp is not finite and greater than zero, or the offset not finite.
+    """
+    linear_offset = scalar_argument("linear_offset", linear_offset)
+    if linear_offset is None:
+        raise TypeError("linear_offset must be a real number, got None.")
+    clamp_value = scalar_argument("clamp_value", clamp_value)
     return ActivationSpec(
         ActivationKind.QUICK_GELU, gated=True, linear_offset=linear_offset, clamp_value=clamp_value
     )

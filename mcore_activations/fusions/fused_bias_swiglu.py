@@ -31,6 +31,7 @@ from mcore_activations.fusions.fused_activation import (
     save_and_forward,
     saved_backward,
 )
+from mcore_activations.fusions.kernel_params import scalar_argument
 
 SWIGLU = ActivationSpec(ActivationKind.SILU, gated=True)
 
@@ -48,9 +49,13 @@ def swiglu_spec(
         linear_clamp_scale: SiTU-GLU linear scale ``s_l`` (requires ``gate_clamp_scale``).
 
     Raises:
+        TypeError: an argument that is not a real number (named in the message).
         ValueError: for a clamp combined with tanh scales, a linear scale without a gate scale,
             or a non-finite / non-positive scale.
     """
+    clamp_value = scalar_argument("clamp_value", clamp_value)
+    gate_clamp_scale = scalar_argument("gate_clamp_scale", gate_clamp_scale)
+    linear_clamp_scale = scalar_argument("linear_clamp_scale", linear_clamp_scale)
     if clamp_value is not None and math.isnan(clamp_value):
         raise ValueError(
             "clamp_value=nan is not a clamp; pass None (or, as upstream, a value <= 0) for none."
@@ -78,7 +83,10 @@ def swiglu_spec(
 
 def _clamped_spec(clamp_value) -> ActivationSpec:
     # The explicit ``clamped_*`` functions always clamp; the spec rejects c <= 0 or non-finite c.
-    return ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=float(clamp_value))
+    clamp = scalar_argument("clamp_value", clamp_value)
+    if clamp is None:
+        raise TypeError("clamp_value must be a real number, got None.")
+    return ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=clamp)
 
 
 # --------------------------------------------------------------------------- forward functions

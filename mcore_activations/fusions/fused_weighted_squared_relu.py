@@ -18,6 +18,7 @@ from mcore_activations.fusions.fused_activation import (
     save_and_forward,
     saved_backward,
 )
+from mcore_activations.fusions.kernel_params import scalar_argument
 
 SQUARED_RELU = ActivationSpec(ActivationKind.SQUARED_RELU)
 
@@ -62,5 +63,6 @@ def weighted_squared_relu_impl(input, weights, clamp_scale=None):
         clamp_scale: Tanh soft-clamp scale ``s > 0`` or None.
     """
     check_impl_input(input)
+    clamp_scale = scalar_argument("clamp_scale", clamp_scale)
     spec = ActivationSpec(ActivationKind.SQUARED_RELU, gate_tanh_scale=clamp_scale)
     return fused_activation(input, spec, probs=weights)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 # Layout of the ``params`` tensor.
 CLAMP, GATE_SCALE, LINEAR_SCALE, OFFSET = range(4)
@@ -37,27 +39,27 @@ def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tens
     """A float32 tensor holding ``values`` on ``device``, cached per (values, device).
 
     Caching avoids a host-to-device copy per call, which also keeps the kernels capturable in a
-    CUDA graph once a value has been seen. The tensor is created outside any compile
-    (``torch.compiler.disable``), so an enclosing ``torch.compile`` receives it as a graph input
-    and never traces the Python floats.
+    CUDA graph once a value has been seen.
+
+    Inside a user's ``torch.compile`` region the tensor is built in the traced graph instead, so
+    ``fullgraph=True`` holds. ``values`` are Python constants there, never symbolic floats: the
+    entry points pass every number through :func:`scalar_argument`, which specializes it, so the
+    value is part of the graph (and of every cache key derived from it) and guarded by Dynamo.
+    A new value recompiles; it can never be served code traced for an earlier one.
 
     Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
     mode and never cached: a fake tensor left in the cache would break every later real call.
     """
-    if not torch.compiler.is_compiling():
-        # The per-call path: a dict lookup, without the cost of entering a disabled region.
-        tensor = _PARAMS_CACHE.get((values, device))
-        if tensor is not None and not _tracing_with_fake_tensors():
-            return tensor
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=torch.float32, device=device)
+    tensor = _PARAMS_CACHE.get((values, device))
+    if tensor is not None and not _tracing_with_fake_tensors():
+        return tensor
     return _make_params_tensor(values, device)
 
 
-@torch.compiler.disable
 def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     key = (values, device)
-    tensor = _PARAMS_CACHE.get(key)
-    if tensor is not None and not _tracing_with_fake_tensors():
-        return tensor
     with torch.inference_mode(False), torch.no_grad():
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
     if not _tracing_with_fake_tensors():
@@ -65,6 +67,35 @@ def _make_params_tensor(values: tuple[float, ...], device: torch.device) -> torc
             _PARAMS_CACHE.pop(next(iter(_PARAMS_CACHE)))  # the oldest entry
         _PARAMS_CACHE[key] = tensor
     return tensor
+
+
+def scalar_argument(name: str, value):
+    """The number an entry point's argument ``name`` holds, as a Python float (None stays None).
+
+    Accepts what upstream's entry points compute with: Python and NumPy reals and one-element
+    real tensors. Under ``torch.compile`` a symbolic float (a user's float argument that Dynamo
+    made dynamic) is specialized to its value with a guard: a symbolic value would otherwise
+    reach compiled code where a later value can be served stale code (docs/compile-safety.md).
+
+    Raises:
+        TypeError: ``value`` is not a real number (a string, a complex, a tensor of several
+            elements or of a non-real dtype); the message names ``name``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(
+                f"{name} must be a real number, got a tensor of shape {tuple(value.shape)} "
+                f"and dtype {value.dtype}."
+            )
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
+    if torch.compiler.is_compiling():
+        # Dynamo passes a symbolic float here as a number; guarding makes it a constant.
+        return float(guard_scalar(float(value)))
+    return float(value)
 
 
 def _tracing_with_fake_tensors() -> bool:

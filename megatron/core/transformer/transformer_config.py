@@ -371,6 +371,15 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
             if self.moe_single_grouped_bias and not self.add_bias_linear:
                 raise ValueError("moe_single_grouped_bias=True requires add_bias_linear=True.")
 
+        for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"):
+            block = getattr(self, name)
+            # A block of 0 columns would only fail at layer build, as a ZeroDivisionError.
+            if block is not None and block <= 0:
+                raise ValueError(
+                    f"{name} must be a positive number of columns per gate / linear block, or "
+                    f"None for the two-halves layout; got {block}."
+                )
+
         size = self.moe_shared_expert_intermediate_size
         if size is not None:
             if size <= 0:
