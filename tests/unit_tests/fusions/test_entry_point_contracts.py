@@ -57,9 +57,9 @@ IN_PLACE_CASES = {
 def test_in_place_op_on_a_3d_output_works_and_differentiates(name):
     x = torch.randn(3, 2, 8, requires_grad=True)
     out = IN_PLACE_CASES[name](x)
-    out.mul_(
-        2
-    )  # upstream allows this; it once raised "a view ... created inside a custom Function"
+    # Upstream allows this; autograd allows it only if the output is not a view made inside a
+    # custom Function.
+    out.mul_(2)
     out.sum().backward()
     x_ref = x.detach().clone().requires_grad_()
     (IN_PLACE_CASES[name](x_ref) * 2).sum().backward()
@@ -230,7 +230,8 @@ def test_scalar_arguments_accept_ints_and_one_element_tensors():
 def test_clamp_edge_matches_the_reference_in_every_dtype(dtype, path):
     """A clamp that the dtype cannot represent (7.02; bf16 rounds it to 7.03125): inputs at the
     dtype's representable values around it keep or lose their gradient as the float64 reference
-    says. Clamping a bf16 tensor with the Python bound once rounded the bound and kept it."""
+    says. Clamping a bf16 tensor with the Python bound would round the bound, and an input of
+    7.03125 would keep its gradient."""
     c = 7.02
     spec = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=c)
     # Every representable value of the dtype in [6.9, 7.2] and its negative, as gate and linear.

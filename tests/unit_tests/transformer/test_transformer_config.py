@@ -185,3 +185,18 @@ def test_activation_spec_identity_classification():
     assert activation_kind_of(F.gelu) == ActivationKind.GELU
     assert activation_kind_of(activations.fast_gelu) == ActivationKind.GELU_TANH
     assert activation_kind_of(lambda x: x) == ActivationKind.CUSTOM
+
+
+@pytest.mark.parametrize(
+    "field", ["moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"]
+)
+@pytest.mark.parametrize("value", [0, -32])
+def test_glu_interleave_size_must_be_positive_at_config_time(field, value):
+    # At config time: a 0 block would otherwise surface in TEGroupedMLP's constructor, as a
+    # ZeroDivisionError that names nothing.
+    with pytest.raises(ValueError, match=f"{field} must be a positive number"):
+        moe(**{field: value})
+
+
+def test_glu_interleave_size_accepts_a_positive_block():
+    assert moe(moe_mlp_glu_interleave_size=32).moe_mlp_glu_interleave_size == 32
