@@ -31,6 +31,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -192,9 +193,26 @@ def installed_upstream() -> tuple[str, str]:
             "it with: pip install megatron-core==0.19.2"
         ) from err
     if is_standalone_fork():
+        # Name where the fork came from: most often the current directory is a clone of this
+        # project, and Python's sys.path puts it before the installed upstream.
+        core = sys.modules[_CORE]
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(core.__file__))))
+        if os.path.samefile(root, os.getcwd()):
+            cause = (
+                f"It was imported from the current directory ({root}), a clone of this project: "
+                "Python puts the current directory first on sys.path, so the clone's megatron/ "
+                "hides the installed megatron-core. Run the script from another directory (or "
+                "start Python with -P, 3.11+)."
+            )
+        else:
+            cause = (
+                f"It was imported from {root}. To patch upstream instead, make upstream's "
+                "megatron.core the importable one (pip install megatron-core==0.19.2, or put "
+                "your Megatron-LM checkout first on PYTHONPATH)."
+            )
         raise UnsupportedUpstreamError(
             "megatron.core is this project's standalone fork, which already computes the "
-            "configured activations; patch_megatron_core() is for upstream megatron-core."
+            f"configured activations; patch_megatron_core() is for upstream megatron-core. {cause}"
         )
     key = ".".join(str(getattr(info, part, "?")) for part in ("MAJOR", "MINOR", "PATCH"))
     return key, f"megatron-core {getattr(info, '__version__', key)}"
