@@ -3,7 +3,7 @@
 For an installed upstream megatron-core, one call at the top of a training script::
 
     import mcore_activations
-    print(mcore_activations.patch_megatron_core())
+    mcore_activations.patch_megatron_core().print()  # one line on rank 0
 
 (or ``MCORE_ACTIVATIONS_PATCH=1`` in the environment; docs/using-with-megatron-lm.md). This
 module stays light: it imports torch and megatron-core only when the patch is asked for, because

@@ -126,11 +126,33 @@ class PatchReport:
         skipped = f", {len(self.skipped)} skipped" if self.skipped else ""
         return f"patched {self.upstream}: {len(self.patched)} objects{skipped}"
 
-    def __str__(self) -> str:
+    def details(self) -> str:
+        """The full report: the summary, then every patched object and why, then the skipped."""
         lines = [f"mcore_activations {self.summary()}"]
         lines += [f"  {p.action:8s} {p.target}: {p.reason}" for p in self.patched]
         lines += [f"  skipped  {target}: {reason}" for target, reason in self.skipped]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        # One line: a training log gets one line per process, not the full list.
+        return f"mcore_activations {self.summary()} (report.details() lists them)"
+
+    def print(self, details: bool = False, file=None) -> None:
+        """Prints the one-line summary, or :meth:`details`, on rank 0 only.
+
+        Args:
+            details: Print the full report instead of the one line.
+            file: Where to print; default ``sys.stderr``.
+
+        The rank is ``torch.distributed``'s once it is initialized, else the ``RANK`` environment
+        variable that torchrun sets (0 when unset).
+        """
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        else:
+            rank = int(os.environ.get("RANK", "0") or 0)
+        if rank == 0:
+            print(self.details() if details else str(self), file=file or sys.stderr)
 
 
 # ----------------------------------------------------------------------- upstream identification

@@ -654,7 +654,7 @@ def run(options: Options) -> dict:
 
         report = patch_megatron_core()
         result["patched"] = True
-        result["patch_report"] = str(report)
+        result["patch_report"] = report.details()
         if not options.quiet:
             print(report, flush=True)
 
