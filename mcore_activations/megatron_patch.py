@@ -447,16 +447,53 @@ def _check_grouped_mlp(key: str):
                 key == "0.19.2"
                 and spec.kind == ActivationKind.SILU
                 and spec.clamp_value is not None
+                and getattr(layer, "activation_recompute", False)
             ):
+                # The layer's forward hands its spec to the fused call (_grouped_weighted_swiglu);
+                # a recompute re-runs that call in the backward, outside the forward.
                 _refuse(
                     path,
                     spec,
-                    "megatron-core 0.19.2's TEGroupedMLP calls the fused SwiGLU without the clamp",
-                    "Set bias_activation_fusion=False (its unfused activation computes the clamp "
-                    "exactly), or use SequentialMLP.",
+                    "megatron-core 0.19.2's TEGroupedMLP calls the fused SwiGLU without the clamp, "
+                    "and with moe_act recompute the patch cannot hand it the layer's clamp",
+                    "Leave 'moe_act' out of recompute_modules, or set bias_activation_fusion=False "
+                    "(its unfused activation computes the clamp exactly).",
                 )
 
     return after
+
+
+# The TEGroupedMLP whose forward runs in this thread. megatron-core 0.19.2's fused branch calls
+# weighted_bias_swiglu_impl without the layer's clamp; during the layer's forward the call is
+# answered with the layer's whole spec instead (_grouped_weighted_swiglu).
+_RUNNING_GROUPED_MLP: contextvars.ContextVar = contextvars.ContextVar("running_grouped_mlp")
+
+
+def _wrap_grouped_forward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        token = _RUNNING_GROUPED_MLP.set(self)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _RUNNING_GROUPED_MLP.reset(token)
+
+    return forward
+
+
+def _make_grouped_weighted_swiglu(plain: Callable) -> Callable:
+    """0.19.2's ``experts.weighted_bias_swiglu_impl``: the running TEGroupedMLP's spec, exactly."""
+    from mcore_activations.fusions.fused_activation import fused_activation
+
+    @functools.wraps(plain)
+    def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False, *args, **kwargs):
+        layer = _RUNNING_GROUPED_MLP.get(None)
+        spec = getattr(layer, "activation_spec", None)
+        if spec is None or bias is not None or args or kwargs:
+            return plain(input, bias, weights, fp8_input_store, *args, **kwargs)
+        return fused_activation(input, spec, probs=weights, fp8_input_store=fp8_input_store)
+
+    return weighted_bias_swiglu_impl
 
 
 def _check_grouped_ops_choice(key: str, spec: ActivationSpec, path: str) -> None:
@@ -677,6 +714,24 @@ def patch_megatron_core() -> PatchReport:
                 "wrapped",
                 "refuses activations its fused paths would compute wrongly",
             )
+            if key == "0.19.2":
+                _set(undo, grouped, "forward", _wrap_grouped_forward(grouped.forward))
+                record(
+                    f"{_EXPERTS}:TEGroupedMLP.forward",
+                    "wrapped",
+                    "hands the layer's spec to its fused SwiGLU call (which drops the clamp)",
+                )
+                _set(
+                    undo,
+                    experts,
+                    "weighted_bias_swiglu_impl",
+                    _make_grouped_weighted_swiglu(experts.weighted_bias_swiglu_impl),
+                )
+                record(
+                    f"{_EXPERTS}:weighted_bias_swiglu_impl",
+                    "replaced",
+                    "computes the running TEGroupedMLP's clamp",
+                )
 
             te_module = importlib.import_module(_TE)
             te_fused = getattr(te_module, "TEFusedMLP", None)

@@ -170,3 +170,46 @@ def test_seed_6918_stale_clamp_before_and_exact_after(target):
 def test_console_command_is_installed():
     script = Path(sys.prefix) / "bin" / "mcore-activations-audit"
     assert script.is_file()
+
+
+def test_release_grouped_experts_fused_swiglu_computes_the_running_layers_clamp():
+    """0.19.2's TEGroupedMLP calls the fused weighted SwiGLU without its clamp; patched, the call
+    made during a layer's forward computes that layer's whole spec, and any other call stays
+    upstream's (the layer itself needs Transformer Engine: the GPU tiers build it)."""
+    result = run_json(
+        """
+        import json, types
+        import torch
+        import megatron.core.transformer.moe.experts as experts
+        from mcore_activations import megatron_patch as mp
+        from mcore_activations.activation_spec import ActivationSpec, ActivationKind
+
+        forward = experts.TEGroupedMLP.forward
+        report = mp.patch_megatron_core()
+        spec = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=0.5)
+        layer = types.SimpleNamespace(activation_spec=spec)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 3
+        probs = torch.rand(16, 1, generator=torch.Generator().manual_seed(1))
+        token = mp._RUNNING_GROUPED_MLP.set(layer)
+        try:
+            inside = experts.weighted_bias_swiglu_impl(x, None, probs, False)
+        finally:
+            mp._RUNNING_GROUPED_MLP.reset(token)
+        outside = experts.weighted_bias_swiglu_impl(x, None, probs, False)
+        expected = spec.reference(x.double()) * probs.double()
+        plain = ActivationSpec(ActivationKind.SILU, gated=True).reference(x.double()) * probs
+        targets = [p.target for p in report.patched]
+        mp.unpatch_megatron_core()
+        print(json.dumps({
+            "inside": (inside.double() - expected).abs().max().item(),
+            "outside": (outside.double() - plain).abs().max().item(),
+            "clamp_matters": (expected - plain).abs().max().item(),
+            "wrapped": "megatron.core.transformer.moe.experts:TEGroupedMLP.forward" in targets,
+            "restored": experts.TEGroupedMLP.forward is forward,
+        }))
+        """,
+        "release",
+    )
+    assert result["clamp_matters"] > 0.1
+    assert result["inside"] < 1e-5 and result["outside"] < 1e-5
+    assert result["wrapped"] and result["restored"]
