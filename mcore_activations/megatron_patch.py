@@ -449,8 +449,8 @@ def _check_grouped_mlp(key: str):
                 and spec.clamp_value is not None
                 and getattr(layer, "activation_recompute", False)
             ):
-                # The layer's forward hands its spec to the fused call (_grouped_weighted_swiglu);
-                # a recompute re-runs that call in the backward, outside the forward.
+                # The layer's forward hands its spec to the fused call; a recompute re-runs that
+                # call in the backward, outside the forward (_make_grouped_weighted_swiglu).
                 _refuse(
                     path,
                     spec,
@@ -465,7 +465,7 @@ def _check_grouped_mlp(key: str):
 
 # The TEGroupedMLP whose forward runs in this thread. megatron-core 0.19.2's fused branch calls
 # weighted_bias_swiglu_impl without the layer's clamp; during the layer's forward the call is
-# answered with the layer's whole spec instead (_grouped_weighted_swiglu).
+# answered with the layer's whole spec instead (_make_grouped_weighted_swiglu).
 _RUNNING_GROUPED_MLP: contextvars.ContextVar = contextvars.ContextVar("running_grouped_mlp")
 
 
