@@ -70,4 +70,16 @@ if editable_wheel is not None and hasattr(editable_wheel, "_select_strategy"):
 
     cmdclass["editable_wheel"] = EditableWheelWithPth
 
-setup(cmdclass=cmdclass)
+
+def _license() -> dict:
+    # PEP 639's SPDX expression (setuptools >= 77); older setuptools know only the free-text field.
+    import setuptools
+
+    major = int(setuptools.__version__.split(".")[0])
+    if major >= 77:
+        return {"license_expression": LICENSE, "license_files": ["LICENSE"]}
+    return {"license": LICENSE}
+
+
+LICENSE = "Apache-2.0"
+setup(cmdclass=cmdclass, **_license())
