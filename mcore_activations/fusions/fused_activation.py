@@ -194,8 +194,10 @@ def _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
     # The kernels work on rows; any leading shape is flattened here and restored on the way out.
     ctx.input_shape = x.shape
     ctx.probs_shape = probs.shape if probs is not None else None
-    x, probs = _flatten(x, probs)
-    out = run_forward(variant, x, bias, probs, params)
+    x2d, probs2d = _flatten(x, probs)
+    out = run_forward(variant, x2d, bias, probs2d, params)
+    # The caller's tensors are saved, not their 2-D views: a view made in here is not part of
+    # the autograd graph, and a double backward through it would never reach the inputs.
     stored = x.to(FP8_STORE_DTYPE) if fp8_input_store else x
     if cpu_offload_input:
         for tensor in (stored, bias, probs):
@@ -207,7 +209,7 @@ def _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
     ctx.params = params
     ctx.variant = variant
     ctx.input_dtype = x.dtype
-    if x.shape == ctx.input_shape:
+    if x2d is x:
         return out
     # An upstream-named Function applied to an N-D input (``bias_gelu_impl`` is one) returns a
     # tensor of that rank. A view made here would be a view created in a custom Function, which
@@ -219,6 +221,7 @@ def saved_backward(ctx, grad):
     """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
+    x, probs = _flatten(x, probs)
     # The kernels make their operands contiguous themselves (free when they already are).
     grad2d = grad if grad.dim() == 2 else grad.reshape(x.shape[0], grad.shape[-1])
     dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
