@@ -69,12 +69,17 @@ cp tools/pretrain_gpt_spec.py "$STAGE/specs/"
 ln -sfn "$STAGE/megatron-lm" "$(python3 -c 'import sys; print(sys.prefix)')/upstream-main"
 python3 -c "import torch, transformer_engine as te; print('torch', torch.__version__, \
 torch.cuda.get_device_name(), 'TE', te.__version__)"
+# The tiny runs of both targets share the GPU (each is a small fraction of it); the large runs
+# time steps, so they run one at a time.
 status=0
+pids=()
 for target in $TARGETS; do
   if [ "$target" = release ]; then entry=$STAGE/megatron-lm-r019; else entry=$STAGE/megatron-lm; fi
   python3 tools/upstream_pretrain.py --target "$target" --entry "$entry" --path "$STAGE/specs" \
-    --out "$OUT" --size "$SIZE" "${TOOL_ARGS[@]}" || status=1
+    --out "$OUT" --size "$SIZE" "${TOOL_ARGS[@]}" &
+  if [ "$SIZE" = large ]; then wait $! || status=1; else pids+=($!); fi
 done
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
 # One archive of the logs: the device tool returns a limited number of files.
 (cd "$OUT" && tar -czf "pretrain-logs-$SIZE.tgz" logs-* && rm -rf logs-*)
 exit "$status"
