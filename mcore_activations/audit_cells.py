@@ -20,7 +20,7 @@ LEGEND = (
     "config when it was built (UnsupportedActivationError: why, and what to configure "
     f"instead). `{UPSTREAM_RULE}`: upstream megatron-core's own TransformerConfig or layer "
     f"rules reject the combination (this package keeps them). `{UNAVAILABLE}`: this machine "
-    f"cannot run the path (reason below). `{ERROR}`: an exception while running the layer."
+    f"cannot run the path. `{ERROR}`: an exception while running the layer (a bug)."
 )
 
 
@@ -30,5 +30,7 @@ def reason(text: str, limit: int = 160) -> str:
     line = lines[0].strip() if lines else ""
     if len(line) <= limit:
         return line
-    cut = line[: limit - 1].rsplit(" ", 1)[0].rstrip(" ,;:")
-    return cut + "..."
+    head = line[: limit - 2]  # room for "...", and the character after head decides the cut
+    if " " not in head:  # one word longer than the limit: keep it whole
+        return line.split(" ", 1)[0]
+    return head.rsplit(" ", 1)[0].rstrip(" ,;:") + "..."

@@ -17,7 +17,6 @@ Exit status: 0 when the last table has no ``MISMATCH`` and no ``error``, else 1.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -25,6 +24,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from mcore_activations.activation_spec import (
 )
 from mcore_activations.audit_cells import (
     ERROR,
+    LEGEND,
     MATCH,
     MISMATCH,
     REFUSED,
@@ -43,9 +44,16 @@ from mcore_activations.audit_cells import (
     UPSTREAM_RULE,
     reason,
 )
+from mcore_activations.audit_cli import (
+    AuditArgumentParser,
+    command_name,
+    one_copy_of_each_warning,
+)
+from mcore_activations.audit_config import CONFIG_FILE_FIELDS, load_config_file
 from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
-MATCH_RTOL = 1e-5  # norm-relative error of fp32 GEMMs and fp32 activation math vs float64
+# Norm-relative error allowed per dtype: fp32 GEMMs and activation math vs float64; bf16 rounding.
+MATCH_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
 _HARDWARE_LIMITS = ("compute capability", "requires SM100", "not supported on this device")
 
@@ -73,13 +81,13 @@ def _squared_relu():
 ACTIVATIONS = (
     AuditActivation("SwiGLU", lambda: dict(activation_func=F.silu, gated_linear_unit=True)),
     AuditActivation(
-        "DeepSeek-V4 clamped SwiGLU",
+        "DeepSeek-V4 SwiGLU(clamp=0.5)",
         lambda: dict(
             activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=0.5
         ),
     ),
     AuditActivation(
-        "gpt-oss quick-GEGLU",
+        "gpt-oss quick-GEGLU(clamp=1.5, offset=1)",
         lambda: dict(
             activation_func=_quick_gelu(),
             gated_linear_unit=True,
@@ -87,11 +95,27 @@ ACTIVATIONS = (
             glu_linear_offset=1.0,
         ),
     ),
-    AuditActivation("GEGLU", lambda: dict(activation_func=F.gelu, gated_linear_unit=True)),
+    AuditActivation("GEGLU (erf)", lambda: dict(activation_func=F.gelu, gated_linear_unit=True)),
     AuditActivation(
-        "squared ReLU", lambda: dict(activation_func=_squared_relu(), gated_linear_unit=False)
+        "squared-ReLU", lambda: dict(activation_func=_squared_relu(), gated_linear_unit=False)
     ),
 )
+
+
+def functions() -> dict:
+    """``--config``'s activation names -> the installed megatron-core's own callables (upstream
+    compares ``quick_gelu`` by identity, so the audit must pass upstream's object)."""
+    from megatron.core import activations
+
+    return {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "fast_gelu": activations.fast_gelu,
+        "quick_gelu": _quick_gelu(),
+        "relu": F.relu,
+        "squared_relu": _squared_relu(),
+    }
+
 
 HIDDEN, FFN, TOKENS, EXPERTS = 32, 48, 24, 2
 
@@ -147,7 +171,8 @@ def _mlp_reference(layer, prefix=""):
 
     def reference(params, x, probs=None):
         spec = ActivationSpec.from_config(layer.config)
-        return layer_reference(params, x, spec, layer.config, prefix, probs)
+        dtype = next(layer.parameters()).dtype
+        return layer_reference(params, x, spec, layer.config, prefix, probs, dtype)
 
     return reference
 
@@ -234,7 +259,8 @@ def path_te_grouped(fields, *, fused, device):
         return _with_bias(layer(x, split, probs))
 
     def reference(params, x):
-        return grouped_layer_reference(params, x, spec, split.tolist(), probs.double())
+        dtype = next(layer.parameters()).dtype
+        return grouped_layer_reference(params, x, spec, split.tolist(), probs.double(), dtype)
 
     return layer, run, reference
 
@@ -295,10 +321,11 @@ def audit_cell(build: Callable, fields: dict, device: str) -> str:
         for p in layer.parameters():
             # Large weights: fc1 outputs of a few units, so every clamp is hit on many elements.
             p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if p.dim() > 1 else 0.1))
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device).requires_grad_(True)
+    dtype = next(layer.parameters()).dtype
+    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device, dtype).requires_grad_(True)
     try:
         out = run(x)
-        grad_out = torch.randn(out.shape, generator=gen).to(device)
+        grad_out = torch.randn(out.shape, generator=gen).to(device, out.dtype)
         out.backward(grad_out)
     except Exception as err:  # noqa: BLE001
         message = reason(err)
@@ -313,10 +340,11 @@ def audit_cell(build: Callable, fields: dict, device: str) -> str:
     return _verdict(
         {"output": (out.detach(), ref.detach()), "dx": (x.grad, x64.grad)},
         {name: (p.grad, params64[name].grad) for name, p in params.items()},
+        MATCH_RTOL[dtype],
     )
 
 
-def _verdict(results: dict, gradients: dict) -> str:
+def _verdict(results: dict, gradients: dict, tolerance: float) -> str:
     """The cell for ``{quantity: (layer's, reference's)}`` and the parameter gradients.
 
     A parameter the reference gives a gradient must get one from the layer (a dropped bias
@@ -338,7 +366,7 @@ def _verdict(results: dict, gradients: dict) -> str:
     if problems:
         return f"{MISMATCH} ({'; '.join(problems)})"
     worst = max(errors, key=errors.get)
-    if errors[worst] <= MATCH_RTOL:
+    if errors[worst] <= tolerance:
         return f"{MATCH} ({errors[worst]:.1e})"
     return f"{MISMATCH} ({errors[worst]:.1e}, worst: {worst})"
 
@@ -397,17 +425,43 @@ def _init_parallel(device: str) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
-def audit_table(device: str, with_te: bool) -> dict[str, dict[str, str]]:
-    """``{path: {activation: cell}}`` for the installed megatron-core as it is now."""
+def builtin_activations() -> dict[str, dict]:
+    """``{column: config fields}`` of the built-in set, with the installed upstream's callables."""
+    return {a.name: a.fields() for a in ACTIVATIONS}
+
+
+def audit_table(
+    device: str,
+    with_te: bool,
+    activations: Optional[dict] = None,
+    dtype: torch.dtype = torch.float32,
+    progress: Optional[Callable[[str, str, str], None]] = None,
+) -> dict[str, dict[str, str]]:
+    """``{path: {activation: cell}}`` for the installed megatron-core as it is now.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"``.
+        with_te: Also the Transformer Engine paths.
+        activations: ``{column: TransformerConfig fields}``; default the built-in set.
+        dtype: The layers' parameter dtype.
+        progress: Called with ``(path, activation, cell)`` after each cell.
+    """
+    activations = builtin_activations() if activations is None else activations
+    extra = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
     # The #6918 sequence first: staleness needs the compile caches as a fresh process has them.
     table = {"compiled entry points": stale_scalar_row(device)}
     for path_name, build in _paths(device, with_te).items():
-        table[path_name] = {a.name: audit_cell(build, a.fields(), device) for a in ACTIVATIONS}
+        row = table[path_name] = {}
+        for name, fields in activations.items():
+            row[name] = audit_cell(build, {**fields, **extra}, device)
+            if progress is not None:
+                progress(path_name, name, row[name])
     return table
 
 
-def format_table(title: str, table: dict[str, dict[str, str]]) -> str:
-    columns = [a.name for a in ACTIVATIONS]
+def format_table(title: str, table: dict[str, dict[str, str]], columns=None) -> str:
+    """A markdown table under ``title``: one row per path, one column per activation."""
+    columns = list(columns or builtin_activations())
     lines = [f"### {title}", "", "| path | " + " | ".join(columns) + " |"]
     lines.append("|---" * (len(columns) + 1) + "|")
     for path_name, row in table.items():
@@ -424,39 +478,140 @@ def _bad(table) -> bool:
     return any(c.startswith(("MISMATCH", "error", "STALE")) for c in cells)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before-after", action="store_true", help="audit, patch, audit again")
-    parser.add_argument("--patch", action="store_true", help="patch first, then audit")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", help="write the tables to this file")
-    args = parser.parse_args(argv)
+MODULE = "mcore_activations.upstream_audit"
+DESCRIPTION = """\
+Audits the installed upstream megatron-core: builds its own MLP classes for each activation, runs
+forward and backward on inputs that hit every clamp, and compares the output and every gradient
+with the float64 reference. --before-after also patches (patch_megatron_core()) and audits again,
+and replays the stale-clamp sequence of upstream issue #6918 on the compiled entry points. A
+legend under the tables says what each cell means."""
 
+EXAMPLES = """\
+examples:
+  upstream as installed, then patched (the check docs/using-with-megatron-lm.md describes):
+    {prog} --before-after
+  your own configurations (one JSON object or a list), e.g. my-model.json holding
+  [{{"name": "my-moe", "activation_func": "silu", "gated_linear_unit": true,
+    "activation_func_clamp_value": 7, "add_bias_linear": true}}]:
+    {prog} --before-after --config my-model.json
+  on a GPU, Transformer Engine classes included, in bfloat16, tables also as JSON:
+    {prog} --before-after --device cuda --dtype bfloat16 --json audit.json
+
+exit status: 0 the last table has no MISMATCH, error or STALE cell, 1 it has, 2 a usage error
+(reported before anything runs).
+"""
+
+
+def _check_config(kwargs) -> str:
+    return ActivationSpec.from_config(_config(kwargs, fused=False, device="cpu")).name
+
+
+def build_parser() -> AuditArgumentParser:
+    """The command line of ``mcore-activations-audit``."""
+    parser = AuditArgumentParser(
+        prog=command_name(MODULE),
+        description=DESCRIPTION,
+        epilog=EXAMPLES.format(prog=command_name(MODULE)),
+    )
+    when = parser.add_mutually_exclusive_group()
+    when.add_argument(
+        "--before-after",
+        action="store_true",
+        help="audit upstream as installed, patch it, and audit again",
+    )
+    when.add_argument(
+        "--patch", action="store_true", help="patch first, then audit (the patched table only)"
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="audit the configurations in this JSON file instead of the built-in set: one object "
+        "or a list, each with an optional 'name' and any of: "
+        f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: fast_gelu, gelu, quick_gelu, "
+        "relu, silu, squared_relu)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="default: cuda where a GPU is usable; the Transformer Engine classes need cuda",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the layers' parameter dtype (default: float32)",
+    )
+    parser.add_argument("--json", metavar="FILE", help="also write the tables as JSON to FILE")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Command-line entry point (``mcore-activations-audit``); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but this machine has no usable CUDA GPU; use --device cpu.")
+    with one_copy_of_each_warning():
+        return _main(parser, args)
+
+
+def _main(parser, args) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the comparison is with float64
     torch.backends.cudnn.allow_tf32 = False
     from mcore_activations import megatron_patch
     from mcore_activations.te_import import have_te
 
+    try:
+        _, description = megatron_patch.installed_upstream()
+    except megatron_patch.UnsupportedUpstreamError as err:
+        parser.error(str(err))
+    activations = None
+    if args.config is not None:
+        try:
+            activations = load_config_file(args.config, functions(), _check_config)
+        except ValueError as err:
+            parser.error(f"--config {err}")
+    json_file = None
+    if args.json:
+        try:  # fail now, not after the whole audit
+            json_file = open(args.json, "w")
+        except OSError as err:
+            parser.error(f"--json {args.json}: cannot write there ({err.strerror}).")
+    dtype = getattr(torch, args.dtype)
     with_te = args.device == "cuda" and have_te()
+    columns = list(activations or builtin_activations())
+    passes = 2 if args.before_after else 1
+    total = passes * len(_paths(args.device, with_te)) * len(columns)
+    done = 0
+
+    def progress(path, activation, cell):
+        nonlocal done
+        done += 1
+        status = cell.split(" (")[0]
+        print(f"[{done}/{total}] {path} / {activation}: {status}", file=sys.stderr)
+
+    def table():
+        return audit_table(args.device, with_te, activations, dtype, progress)
+
     _init_parallel(args.device)
-    _, description = megatron_patch.installed_upstream()
     tables = {}
     if args.before_after:
-        tables["before"] = audit_table(args.device, with_te)
-        print(format_table(f"{description}, as installed", tables["before"]) + "\n")
+        tables["before"] = table()
+        print(format_table(f"{description}, as installed", tables["before"], columns) + "\n")
     if args.before_after or args.patch:
         report = megatron_patch.patch_megatron_core()
         print(report.summary() + "\n")
-    tables["after" if (args.before_after or args.patch) else "as installed"] = audit_table(
-        args.device, with_te
-    )
-    title = list(tables)[-1]
-    print(format_table(f"{description}, {title} patch_megatron_core()", tables[title]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"upstream": description, "device": args.device, "tables": tables}, f, indent=1
-            )
+    title = "after" if (args.before_after or args.patch) else "as installed"
+    tables[title] = table()
+    when = "after patch_megatron_core()" if title == "after" else "as installed"
+    print(format_table(f"{description}, {when}", tables[title], columns))
+    print(f"\ndevice={args.device} dtype={args.dtype} torch={torch.__version__}")
+    print(LEGEND)
+    if json_file is not None:
+        payload = {"upstream": description, "device": args.device, "dtype": args.dtype}
+        with json_file:
+            json.dump({**payload, "tables": tables}, json_file, indent=1, allow_nan=False)
     return 1 if _bad(tables[title]) else 0
 
 

@@ -27,4 +27,6 @@ while [ $# -gt 0 ]; do
   shift
 done
 cd "$ROOT"
-exec "$PY" -m megatron.core.transformer.activation_audit ${args[@]+"${args[@]}"}
+# The audit's --help and errors name the command the user typed.
+MCORE_ACTIVATIONS_AUDIT_PROG=$0 exec "$PY" -m megatron.core.transformer.activation_audit \
+  ${args[@]+"${args[@]}"}

@@ -8,8 +8,9 @@ import sys
 
 from conftest import target_env
 
-CLAMP = "DeepSeek-V4 clamped SwiGLU"
-QGEGLU = "gpt-oss quick-GEGLU"
+CLAMP = "DeepSeek-V4 SwiGLU(clamp=0.5)"
+QGEGLU = "gpt-oss quick-GEGLU(clamp=1.5, offset=1)"
+GEGLU = "GEGLU (erf)"
 
 
 def _audit(target: str, tmp_path) -> tuple[int, dict, str]:
@@ -56,9 +57,9 @@ def test_audit_before_and_after_the_patch(target, tmp_path):
 
     # Before: upstream's known silent failures, as the audit must find them.
     fused = before["MLP (bias_activation_fusion)"]
-    assert fused["GEGLU"].startswith("MISMATCH")  # tanh GELU where F.gelu (erf) is configured
+    assert fused[GEGLU].startswith("MISMATCH")  # tanh GELU where F.gelu (erf) is configured
     assert fused[QGEGLU].startswith("error")  # quick-GEGLU without per-token scale
-    assert before["SequentialMLP (bias_activation_fusion)"]["GEGLU"].startswith("error")
+    assert before["SequentialMLP (bias_activation_fusion)"][GEGLU].startswith("error")
     if target == "release":
         # 0.19.2's fused SwiGLU ignores the DeepSeek-V4 clamp: a silent mismatch, also in the
         # shared expert and the routed experts.

@@ -1,13 +1,5 @@
 """Activation audit: proves every MLP path this machine runs computes the configured activation.
 
-Usage::
-
-    python -m megatron.core.transformer.activation_audit            # the built-in activation set
-    python -m megatron.core.transformer.activation_audit --activation-func silu \\
-        --gated-linear-unit --activation-func-clamp-value 7
-    python -m megatron.core.transformer.activation_audit --json audit.json
-    python -m megatron.core.transformer.activation_audit --json - > audit.json  # JSON alone
-
 For each activation and each path (unfused ``MLP``, ``MLP`` with fused kernels, ``SharedExpertMLP``,
 ``SequentialMLP``, and with Transformer Engine on a GPU ``TEFusedMLP``,
 ``TEFusedMLPWithGroupedLinear``, ``FusedSharedExpertMLP`` and ``TEGroupedMLP``) it builds the
@@ -15,15 +7,14 @@ layer from a ``TransformerConfig``, scales the fc1 weights so pre-activations hi
 forward and backward, and compares the output, the input gradient and every parameter gradient
 with a float64 evaluation of ``ActivationSpec.reference`` on the same weights (max |error| over
 max |reference|). The TE fused classes are compared with their unfused parent class on the same
-weights instead (||error|| / ||parent||), which isolates the activation from TE's GEMMs. Each
-cell of the printed table is ``match`` (worst error), ``refuses`` (the construction-time error),
-or ``MISMATCH``; the exit status is 1 if any cell is a mismatch and 2 on a usage error (checked
-before anything runs). Progress goes to stderr, one line per cell.
+weights instead (||error|| / ||parent||), which isolates the activation from TE's GEMMs. The
+cells use the words of :mod:`mcore_activations.audit_cells`; the exit status is 1 if any cell is
+a mismatch or an error and 2 on a usage error (checked before anything runs). Progress goes to
+stderr, one line per cell. ``--help`` shows examples (:data:`EXAMPLES`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -33,7 +24,21 @@ import traceback
 
 import torch
 
+from mcore_activations import audit_config
 from mcore_activations.activation_spec import ActivationSpec
+from mcore_activations.audit_cells import (
+    ERROR,
+    LEGEND,
+    MATCH,
+    MISMATCH,
+    REFUSED,
+    UNAVAILABLE,
+    UPSTREAM_RULE,
+    reason,
+)
+from mcore_activations.audit_cli import AuditArgumentParser, command_name
+from mcore_activations.audit_config import ACTIVATION_OPTIONS as _ACTIVATION_OPTIONS
+from mcore_activations.audit_config import CONFIG_FILE_FIELDS
 from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - the audit's names
     BUILT_IN,
     EXPERTS,
@@ -167,12 +172,15 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
     """
     from mcore_activations.activation_spec import UnsupportedActivationError
 
-    refusals = (ValueError, RuntimeError, NotImplementedError, AssertionError)
     torch.manual_seed(1234)
     try:
         module = path.build(kwargs, device)
-    except (*refusals, UnsupportedActivationError) as err:
-        return Cell(path.name, act_name, "refuses", detail=str(err).splitlines()[0])
+    except (UnsupportedActivationError, RuntimeError, NotImplementedError) as err:
+        return Cell(path.name, act_name, REFUSED, detail=reason(err, limit=400))
+    except (ValueError, AssertionError) as err:
+        # The config rules upstream states as ValueError (TransformerConfig) or assert (layers),
+        # which the fork keeps.
+        return Cell(path.name, act_name, UPSTREAM_RULE, detail=reason(err, limit=400))
     module = module.to(dtype)
     _scale_fc1(module)
     gen = torch.Generator().manual_seed(0)
@@ -207,10 +215,10 @@ def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
     if problems:
         # No number describes these; the cell carries no error value (JSON stays strict).
         why = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
-        return Cell(path.name, act_name, "MISMATCH", None, f"{against}; {why}")
+        return Cell(path.name, act_name, MISMATCH, None, f"{against}; {why}")
     worst_name = max(errors, key=errors.get)
     worst = errors[worst_name]
-    status = "match" if worst <= TOLERANCE[dtype] else "MISMATCH"
+    status = MATCH if worst <= TOLERANCE[dtype] else MISMATCH
     return Cell(path.name, act_name, status, worst, f"{against}; worst: {worst_name}")
 
 
@@ -254,14 +262,13 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None
     for path in paths:
         for act_name, kwargs in activations_to_run.items():
             if path.needs_te and no_te:
-                cells.append(Cell(path.name, act_name, "unavailable", detail=no_te))
+                cells.append(Cell(path.name, act_name, UNAVAILABLE, detail=no_te))
             else:
                 try:
                     cells.append(audit_cell(path, act_name, kwargs, device, dtype))
                 except Exception as err:  # noqa: BLE001 - report, never hide, unexpected failures
-                    detail = f"{type(err).__name__}: {err}".splitlines()[0]
-                    crashed = Cell(path.name, act_name, "MISMATCH", detail=f"crashed: {detail}")
-                    cells.append(crashed)
+                    detail = f"{type(err).__name__}: {reason(err, limit=400)}"
+                    cells.append(Cell(path.name, act_name, ERROR, detail=detail))
                     traceback.print_exc(file=sys.stderr)
             if progress is not None:
                 progress(len(cells), total, cells[-1])
@@ -280,11 +287,11 @@ def format_table(cells: list[Cell], activation_names: list[str]) -> str:
         row = []
         for act in activation_names:
             c = by_key[(path, act)]
-            if c.status == "match":
-                row.append(f"match ({c.max_rel_error:.1e})")
-            elif c.status == "MISMATCH":
+            if c.status == MATCH:
+                row.append(f"{MATCH} ({c.max_rel_error:.1e})")
+            elif c.status == MISMATCH:
                 err = "" if c.max_rel_error is None else f" {c.max_rel_error:.2e}"
-                row.append(f"**MISMATCH**{err}")
+                row.append(f"**{MISMATCH}**{err}")
             else:
                 row.append(c.status)
         lines.append(f"| {path} | " + " | ".join(row) + " |")
@@ -294,12 +301,11 @@ def format_table(cells: list[Cell], activation_names: list[str]) -> str:
 def legend(dtype: torch.dtype) -> str:
     """What a cell of the table means, for ``dtype``."""
     lines = [
-        "Each cell: forward and backward of one layer. `match (e)`: e is the worst, over the "
-        "output, the input gradient and every parameter gradient, of max|error| / max|reference| "
-        "against the float64 reference on the layer's weights (TE fused classes: "
-        f"||error|| / ||parent|| against their unfused parent class); match when e <= "
-        f"{TOLERANCE[dtype]:g}. `refuses`: the layer refused the config at construction (reason "
-        "below). `unavailable`: this machine cannot run the path (reason below)."
+        f"Each cell: forward and backward of one layer. {LEGEND}",
+        f"`{MATCH} (e)`: e is the worst, over the output, the input gradient and every parameter "
+        "gradient, of max|error| / max|reference| against the float64 reference on the layer's "
+        "weights (TE fused classes: ||error|| / ||parent|| against their unfused parent class); "
+        f"{MATCH} when e <= {TOLERANCE[dtype]:g}. The reasons are listed below the table.",
     ]
     if dtype != torch.float32:
         lines.append(
@@ -326,92 +332,118 @@ def _activation_from_args(args) -> dict:
     return kwargs
 
 
-_ACTIVATION_OPTIONS = (
-    "gated_linear_unit",
-    "activation_func_clamp_value",
-    "activation_func_tanh_clamp_scale",
-    "activation_func_tanh_clamp_scale_linear",
-    "glu_linear_offset",
-)
-
-
-# What a --config file may set: the activation fields, and the options that change what the
-# activation path sees (fc1's bias, the saved-input precision, the experts' GLU layout).
-CONFIG_FILE_FIELDS = (
-    "activation_func",
-    *_ACTIVATION_OPTIONS,
-    "activation_func_fp8_input_store",
-    "add_bias_linear",
-    "moe_mlp_glu_interleave_size",
-)
+def _check(kwargs) -> str:
+    return ActivationSpec.from_config(_config(kwargs)).name
 
 
 def load_config_file(path: str) -> dict:
     """``{column name: TransformerConfig kwargs}`` from a JSON file of one object or a list.
 
-    Each object sets ``activation_func`` (one of :data:`FUNCTIONS`) and any of
-    :data:`CONFIG_FILE_FIELDS`, plus an optional ``"name"`` for its column, e.g.
-    ``{"name": "my-moe", "activation_func": "silu", "gated_linear_unit": true,
-    "activation_func_clamp_value": 7}``.
+    The format is :func:`mcore_activations.audit_config.load_config_file`'s, with the functions
+    of :data:`FUNCTIONS`.
 
     Raises:
         ValueError: unreadable JSON, an unknown field or function, or a configuration that
             ``TransformerConfig`` / ``ActivationSpec`` refuses; the message says which.
     """
-    try:
-        with open(path) as fh:
-            entries = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {path}: {err}") from err
-    entries = entries if isinstance(entries, list) else [entries]
-    to_run = {}
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise ValueError(f"{path}: entry {i} is not a JSON object")
-        entry = dict(entry)
-        name = entry.pop("name", None)
-        unknown = sorted(set(entry) - set(CONFIG_FILE_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"{path}: entry {i} sets {', '.join(unknown)}; the audit takes "
-                f"{', '.join(CONFIG_FILE_FIELDS)}"
-            )
-        func = entry.get("activation_func")
-        if func not in FUNCTIONS:
-            raise ValueError(
-                f"{path}: entry {i} needs activation_func, one of {', '.join(sorted(FUNCTIONS))}; "
-                f"got {func!r}"
-            )
-        kwargs = {**entry, "activation_func": FUNCTIONS[func]}
-        try:
-            spec = ActivationSpec.from_config(_config(kwargs))
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"{path}: entry {i} is not a valid configuration: {err}") from err
-        to_run[name or spec.name] = kwargs
-    return to_run
+    return audit_config.load_config_file(path, FUNCTIONS, _check)
 
 
-def main(argv=None) -> int:
-    """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m megatron.core.transformer.activation_audit", description=__doc__
+MODULE = "megatron.core.transformer.activation_audit"
+DESCRIPTION = """\
+Builds every MLP path this machine can run (unfused MLP, fused kernels, SharedExpertMLP,
+SequentialMLP; with Transformer Engine on a GPU the TE fused and grouped classes) for each
+activation, runs forward and backward, and compares the output and every gradient with the
+float64 reference. A legend under the table says what each cell means."""
+
+EXAMPLES = """\
+examples:
+  the built-in activation set:
+    {prog}
+  your own configurations (one JSON object or a list), e.g. my-model.json holding
+  [{{"name": "my-moe", "activation_func": "silu", "gated_linear_unit": true,
+    "activation_func_clamp_value": 7, "add_bias_linear": true}}]:
+    {prog} --config my-model.json
+  one activation, from the command line:
+    {prog} --activation-func silu --gated-linear-unit --activation-func-clamp-value 7
+  in bfloat16, also writing the cells as JSON:
+    {prog} --dtype bfloat16 --json audit.json
+  JSON alone on stdout (the table goes to stderr):
+    {prog} --json - > audit.json
+
+exit status: 0 every cell matches or is refused with a reason, 1 a MISMATCH or an error,
+2 a usage error (reported before anything runs).
+"""
+
+
+def build_parser() -> AuditArgumentParser:
+    """The command line of the audit (``scripts/main.sh``)."""
+    parser = AuditArgumentParser(
+        prog=command_name(MODULE),
+        description=DESCRIPTION,
+        epilog=EXAMPLES.format(prog=command_name(MODULE)),
     )
-    parser.add_argument("--activation-func", choices=sorted(FUNCTIONS))
-    parser.add_argument("--gated-linear-unit", action="store_true")
-    parser.add_argument("--activation-func-clamp-value", type=float)
-    parser.add_argument("--activation-func-tanh-clamp-scale", type=float)
-    parser.add_argument("--activation-func-tanh-clamp-scale-linear", type=float)
-    parser.add_argument("--glu-linear-offset", type=float)
+    one = parser.add_argument_group(
+        "one activation (instead of the built-in set; the fields of TransformerConfig)"
+    )
+    one.add_argument(
+        "--activation-func", choices=sorted(FUNCTIONS), help="the activation function, by name"
+    )
+    one.add_argument(
+        "--gated-linear-unit", action="store_true", help="gated: act(gate) * linear (GLU)"
+    )
+    one.add_argument(
+        "--activation-func-clamp-value",
+        type=float,
+        metavar="C",
+        help="DeepSeek-V4 / gpt-oss clamp: gate at most C, linear half within [-C, C]",
+    )
+    one.add_argument(
+        "--activation-func-tanh-clamp-scale",
+        type=float,
+        metavar="S",
+        help="SiTU tanh clamp of the gate: S * tanh(gate / S)",
+    )
+    one.add_argument(
+        "--activation-func-tanh-clamp-scale-linear",
+        type=float,
+        metavar="S",
+        help="SiTU tanh clamp of the linear half: S * tanh(linear / S)",
+    )
+    one.add_argument(
+        "--glu-linear-offset", type=float, metavar="B", help="added to the linear half (gpt-oss: 1)"
+    )
     parser.add_argument(
         "--config",
+        metavar="FILE",
         help="audit the configurations in this JSON file instead of the built-in set: one object "
         "or a list, each with an optional 'name' and any of: "
         f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: "
         f"{', '.join(sorted(FUNCTIONS))})",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--json", help="also write the cells as JSON to this file ('-': stdout)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda where a GPU is usable; the TE paths need cuda)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the layers' parameter and compute dtype (default: float32)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write the cells as JSON to FILE ('-': JSON alone on "
+        "stdout, the table on stderr)",
+    )
+    return parser
+
+
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.config is not None:
@@ -475,14 +507,14 @@ def main(argv=None) -> int:
     print(format_table(cells, list(to_run)), file=report)
     print(legend(dtype), file=report)
     for c in cells:
-        if c.status in ("refuses", "MISMATCH") and c.detail:
+        if c.status in (REFUSED, UPSTREAM_RULE, MISMATCH, ERROR) and c.detail:
             print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}", file=report)
     unavailable = {}  # reason -> paths, in table order
     for c in cells:
-        if c.status == "unavailable":
+        if c.status == UNAVAILABLE:
             unavailable.setdefault(c.detail, {})[c.path] = None
-    for reason, paths in unavailable.items():
-        print(f"- {', '.join(paths)}: unavailable: {reason}", file=report)
+    for why, paths in unavailable.items():
+        print(f"- {', '.join(paths)}: {UNAVAILABLE}: {why}", file=report)
     if args.json:
         # Strict JSON: a non-finite number would be written as the non-JSON token Infinity.
         payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1, allow_nan=False)
@@ -491,8 +523,8 @@ def main(argv=None) -> int:
         else:
             with json_file:
                 json_file.write(payload)
-    mismatches = [c for c in cells if c.status == "MISMATCH"]
-    return 1 if mismatches else 0
+    wrong = [c for c in cells if c.status in (MISMATCH, ERROR)]
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -33,25 +33,27 @@ FUNCTIONS = {
     "squared_relu": activations.squared_relu,
 }
 
+# Column labels: the spec's name (ActivationSpec.name), after the model family where there is one;
+# mcore-activations-audit labels its columns the same way (GEGLU there is "GEGLU (erf)").
 BUILT_IN = {
     "SwiGLU": dict(activation_func=F.silu, gated_linear_unit=True),
-    "DeepSeek-V4 clamped SwiGLU": dict(
+    "DeepSeek-V4 SwiGLU(clamp=7)": dict(
         activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=7.0
     ),
-    "Kimi-K3 SiTU-GLU": dict(
+    "Kimi-K3 SiTU-GLU(s_g=4, s_l=25)": dict(
         activation_func=F.silu,
         gated_linear_unit=True,
         activation_func_tanh_clamp_scale=4.0,
         activation_func_tanh_clamp_scale_linear=25.0,
     ),
-    "gpt-oss quick-GEGLU": dict(
+    "gpt-oss quick-GEGLU(clamp=7, offset=1)": dict(
         activation_func=quick_gelu,
         gated_linear_unit=True,
         glu_linear_offset=1.0,
         activation_func_clamp_value=7.0,
     ),
     "GEGLU": dict(activation_func=activations.fast_gelu, gated_linear_unit=True),
-    "squared-ReLU + tanh clamp": dict(
+    "squared-ReLU(tanh_scale=10)": dict(
         activation_func=activations.squared_relu, activation_func_tanh_clamp_scale=10.0
     ),
 }
@@ -63,7 +65,7 @@ class Cell:
 
     path: str
     activation: str
-    status: str  # "match" | "refuses" | "MISMATCH" | "unavailable"
+    status: str  # a word of mcore_activations.audit_cells
     max_rel_error: Optional[float] = None
     detail: str = ""
 

@@ -68,7 +68,7 @@ def test_editing_the_config_after_build_changes_nothing(path, device, monkeypatc
         install_fake_te_with_cpu_linears(monkeypatch)
     device = torch.device(device)
     audit._init_single_process_world(device)
-    kwargs = audit.BUILT_IN["DeepSeek-V4 clamped SwiGLU"]
+    kwargs = audit.BUILT_IN["DeepSeek-V4 SwiGLU(clamp=7)"]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

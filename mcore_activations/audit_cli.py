@@ -1,0 +1,56 @@
+"""Command-line plumbing both activation audits share: the parser and the command's name."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import warnings
+
+# scripts/main.sh names itself here, so --help and errors show the command the user typed.
+PROG_ENV = "MCORE_ACTIVATIONS_AUDIT_PROG"
+
+
+def command_name(module: str) -> str:
+    """How the user started the audit: ``scripts/main.sh``, ``python -m <module>``, or the
+    console script's name (e.g. ``mcore-activations-audit``)."""
+    if os.environ.get(PROG_ENV):
+        return os.environ[PROG_ENV]
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name == module:
+        return f"python -m {module}"
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name and not name.endswith(".py") else f"python -m {module}"
+
+
+class AuditArgumentParser(argparse.ArgumentParser):
+    """Keeps the examples' line breaks, and answers a usage error with one line, not the usage."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
+@contextlib.contextmanager
+def one_copy_of_each_warning():
+    """Shows each distinct warning once: the audit builds many configs, and upstream warns from
+    every ``TransformerConfig`` (e.g. a deprecation), which would otherwise repeat per cell."""
+    seen = set()
+    original = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        key = (category, str(message))
+        if key not in seen:
+            seen.add(key)
+            original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = original
