@@ -371,10 +371,16 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
             if self.moe_single_grouped_bias and not self.add_bias_linear:
                 raise ValueError("moe_single_grouped_bias=True requires add_bias_linear=True.")
 
-        for name in ("moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"):
+        # A GLU block size is read by the grouped expert classes only (TEGroupedMLP,
+        # FusedSharedExpertMLP), where one of 0 or below would fail at layer build as a
+        # ZeroDivisionError naming nothing. Upstream's other classes ignore the field, so it is
+        # refused only where a class would read it.
+        for name, used in (
+            ("moe_mlp_glu_interleave_size", self.moe_grouped_gemm),
+            ("moe_shared_expert_glu_interleave_size", self.use_grouped_gemm_for_shared_expert),
+        ):
             block = getattr(self, name)
-            # A block of 0 columns would only fail at layer build, as a ZeroDivisionError.
-            if block is not None and block <= 0:
+            if used and block is not None and block <= 0:
                 raise ValueError(
                     f"{name} must be a positive number of columns per gate / linear block, or "
                     f"None for the two-halves layout; got {block}."

@@ -188,15 +188,21 @@ def test_activation_spec_identity_classification():
 
 
 @pytest.mark.parametrize(
-    "field", ["moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size"]
+    "field, flag",
+    [
+        ("moe_mlp_glu_interleave_size", "moe_grouped_gemm"),
+        ("moe_shared_expert_glu_interleave_size", "use_grouped_gemm_for_shared_expert"),
+    ],
 )
 @pytest.mark.parametrize("value", [0, -32])
-def test_glu_interleave_size_must_be_positive_at_config_time(field, value):
-    # At config time: a 0 block would otherwise surface in TEGroupedMLP's constructor, as a
+def test_glu_interleave_size_must_be_positive_at_config_time(field, flag, value):
+    # At config time: a 0 block would otherwise surface in the grouped class's constructor, as a
     # ZeroDivisionError that names nothing.
     with pytest.raises(ValueError, match=f"{field} must be a positive number"):
-        moe(**{field: value})
+        moe(**{field: value, flag: True})
 
 
-def test_glu_interleave_size_accepts_a_positive_block():
-    assert moe(moe_mlp_glu_interleave_size=32).moe_mlp_glu_interleave_size == 32
+def test_glu_interleave_size_is_ignored_where_no_class_reads_it():
+    # As upstream: without grouped experts the field is not read, so no value is refused.
+    assert moe(moe_mlp_glu_interleave_size=0).moe_mlp_glu_interleave_size == 0
+    assert moe(moe_grouped_gemm=True, moe_mlp_glu_interleave_size=32).moe_mlp_glu_interleave_size
