@@ -36,7 +36,11 @@ from mcore_activations.audit_cells import (
     UPSTREAM_RULE,
     reason,
 )
-from mcore_activations.audit_cli import AuditArgumentParser, command_name
+from mcore_activations.audit_cli import (
+    AuditArgumentParser,
+    command_name,
+    one_copy_of_each_warning,
+)
 from mcore_activations.audit_config import ACTIVATION_OPTIONS as _ACTIVATION_OPTIONS
 from mcore_activations.audit_config import CONFIG_FILE_FIELDS
 from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - the audit's names
@@ -499,7 +503,8 @@ def main(argv=None) -> int:
     def progress(done, total, cell):
         print(f"[{done}/{total}] {cell.path} / {cell.activation}: {cell.status}", file=sys.stderr)
 
-    cells = run_audit(to_run, device, dtype, progress=progress)
+    with one_copy_of_each_warning():
+        cells = run_audit(to_run, device, dtype, progress=progress)
     print(
         f"activation audit: device={device} dtype={args.dtype} torch={torch.__version__}",
         file=report,
