@@ -250,3 +250,24 @@ def test_clamp_edge_matches_the_reference_in_every_dtype(dtype, path):
     ref.backward(grad.double())
     assert_close_to_reference(out, ref, dtype, f"{path} out")
     assert_close_to_reference(x.grad, x64.grad, dtype, f"{path} dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["bias_swiglu_impl clamp", "weighted_bias_swiglu_impl"])
+def test_in_place_and_fullgraph_inductor_on_cuda(name):
+    """The Triton kernels behind the custom ops, inside a caller's default (Inductor)
+    ``torch.compile(fullgraph=True)``, with an in-place op on the output; bf16, 3-D input."""
+    fn = FULLGRAPH_CASES[name]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, 2, 256, generator=gen) * 2).to("cuda", torch.bfloat16)
+    w = torch.rand(8, 1, generator=gen).cuda()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, w: fn(a, w).mul_(2), fullgraph=True)
+    a = x.clone().requires_grad_()
+    out = compiled(a, w)
+    out.float().sum().backward()
+    b = x.clone().requires_grad_()
+    expected = fn(b, w).mul_(2)
+    expected.float().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1.6e-2, atol=1.6e-2)
