@@ -52,8 +52,11 @@ from mcore_activations.audit_cli import (
 from mcore_activations.audit_config import CONFIG_FILE_FIELDS, load_config_file
 from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
-# Norm-relative error allowed per dtype: fp32 GEMMs and activation math vs float64; bf16 rounding.
-MATCH_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Norm-relative error allowed per dtype. float32: its GEMMs and activation math against float64.
+# bfloat16 keeps 8 significant bits (unit roundoff 2e-3); output and gradients pass through 5-7
+# roundings, the bias add among them, and sums that cancel: correct layers measure 0.3-2.2 % on
+# CPU (0.19.2 patched, clamp 7 with biases the worst), an activation computed wrongly > 10 %.
+MATCH_RTOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 # Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
 _HARDWARE_LIMITS = ("compute capability", "requires SM100", "not supported on this device")
 

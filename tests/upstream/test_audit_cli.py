@@ -105,3 +105,22 @@ print(json.dumps({name: ActivationSpec.from_config(ua._config(f, fused=False, de
     names = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(label.endswith(name) for label, name in names.items()), names
     assert "GEGLU (erf)" in names  # F.gelu; the fork's "GEGLU" column is the tanh fast_gelu
+
+
+def test_bfloat16_keeps_its_teeth(tmp_path):
+    """In bf16 a correct layer matches, and 0.19.2's fused SwiGLU ignoring the clamp does not."""
+    clamped = {
+        "name": "dsv4",
+        "activation_func": "silu",
+        "gated_linear_unit": True,
+        "activation_func_clamp_value": 7,
+        "add_bias_linear": True,
+    }
+    (tmp_path / "dsv4.json").write_text(json.dumps(clamped))
+    args = ["--before-after", "--config", "dsv4.json", "--dtype", "bfloat16", "--json", "o.json"]
+    done = _audit(args, tmp_path, "release")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    tables = json.loads((tmp_path / "o.json").read_text())["tables"]
+    assert tables["before"]["MLP (bias_activation_fusion)"]["dsv4"].startswith("MISMATCH")
+    assert tables["after"]["MLP (bias_activation_fusion)"]["dsv4"].startswith("match")
+    assert tables["before"]["MLP (unfused)"]["dsv4"].startswith("match")
