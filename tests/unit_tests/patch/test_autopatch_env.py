@@ -41,7 +41,7 @@ def test_any_other_value_is_an_error_naming_the_variable(value):
 def _python(code: str, env_value, tmp_path, pth: bool):
     """Runs ``code`` with the source tree importable; with ``pth``, also a site dir holding the
     autopatch .pth file as an install writes it (processed by site.addsitedir, as at start-up)."""
-    prelude = ""
+    prelude, code = "", textwrap.dedent(code)
     if pth:
         site_dir = tmp_path / "site"
         site_dir.mkdir(exist_ok=True)
@@ -51,7 +51,9 @@ def _python(code: str, env_value, tmp_path, pth: bool):
     if env_value is not None:
         env[ENV_VAR] = env_value
     return subprocess.run(
-        [sys.executable, "-W", "default", "-c", prelude + textwrap.dedent(code)],
+        # Without the file: -S keeps the interpreter from reading the .pth files of this
+        # environment's own install (regular and editable installs have one).
+        [sys.executable, *([] if pth else ["-S"]), "-W", "default", "-c", prelude + code],
         cwd=tmp_path,
         capture_output=True,
         text=True,
