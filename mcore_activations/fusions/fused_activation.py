@@ -28,6 +28,7 @@ from mcore_activations.fusions.activation_kernels import (
     spec_params,
 )
 from mcore_activations.fusions.activation_ops import run_backward, run_forward
+from mcore_activations.fusions.kernel_params import constant_scalars
 
 FP8_STORE_DTYPE = torch.float8_e4m3fn
 
@@ -43,6 +44,7 @@ def activation_forward(
     instead (the eager twin of the compiled entry points; autograd differentiates it). The
     inputs are checked first (:func:`check_inputs`), as in every public entry point.
     """
+    spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)
     if not eager and torch.is_grad_enabled() and _any_requires_grad(x, bias, probs):
         return _apply_fused(spec, x, bias, probs, False, False)
@@ -74,6 +76,7 @@ def activation_backward(spec: ActivationSpec, grad, x, bias=None, probs=None, *,
 
     Checks its inputs as :func:`activation_forward` does, and ``grad`` against the output shape.
     """
+    spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)
     check_grad(spec, grad, x)
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
@@ -306,6 +309,7 @@ def fused_activation(
         ``[..., F]`` in ``x.dtype``.
     """
     lower_to_fused_kernel(spec, "fused_activation")
+    spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)
     if not (torch.is_grad_enabled() and _any_requires_grad(x, bias, probs)):
         # Nothing to differentiate: skip the autograd function and what it saves (its host

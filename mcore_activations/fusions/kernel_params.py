@@ -9,6 +9,7 @@ layer above it - the upstream callables, the kernels, the entry points - can use
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import numbers
@@ -51,7 +52,7 @@ def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tens
     mode and never cached: a fake tensor left in the cache would break every later real call.
     """
     if torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        return torch.tensor([_constant(v) for v in values], dtype=torch.float32, device=device)
     tensor = _PARAMS_CACHE.get((values, device))
     if tensor is not None and not _tracing_with_fake_tensors():
         return tensor
@@ -92,10 +93,32 @@ def scalar_argument(name: str, value):
         return float(value)
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__}).")
-    if torch.compiler.is_compiling():
-        # Dynamo passes a symbolic float here as a number; guarding makes it a constant.
-        return float(guard_scalar(float(value)))
-    return float(value)
+    return _constant(value) if torch.compiler.is_compiling() else float(value)
+
+
+def _constant(value: float) -> float:
+    # Inside a compile, a symbolic float (one Dynamo made dynamic) is guarded to its value, which
+    # turns it into a constant of the graph; a Python float passes unchanged.
+    return float(guard_scalar(float(value)))
+
+
+_SPEC_SCALARS = ("clamp_value", "gate_tanh_scale", "linear_tanh_scale", "linear_offset")
+
+
+def constant_scalars(spec):
+    """``spec`` outside ``torch.compile``; inside it, a copy whose numbers are constants.
+
+    A spec passed into a caller's compiled function carries its numbers as symbolic floats once
+    Dynamo sees them change. Specialized here, at the entry point and before any autograd
+    Function, they become constants of the caller's graph with a guard, like the floats that
+    :func:`scalar_argument` takes: a new value recompiles, and none is ever served stale.
+    """
+    if not torch.compiler.is_compiling():
+        return spec
+    values = {name: getattr(spec, name) for name in _SPEC_SCALARS}
+    return dataclasses.replace(
+        spec, **{name: None if v is None else _constant(v) for name, v in values.items()}
+    )
 
 
 def _tracing_with_fake_tensors() -> bool:

@@ -123,6 +123,35 @@ def test_clamp_argument_of_a_fullgraph_function_is_never_served_stale():
             assert_close_to_reference(x.grad, x64.grad, torch.float32, f"c={c} dx")
 
 
+def test_a_spec_argument_whose_clamp_the_caller_also_uses_compiles_correctly():
+    """A spec passed into a caller's compiled function, its clamp also used by the caller's own
+    ops: the numbers are specialized at the entry point (before the autograd Function), so the
+    caller's graph holds one constant per value. A symbolic clamp crossing into the Function's
+    traced body would make Dynamo fail with an internal error."""
+    import dataclasses
+
+    clamped = ActivationSpec(ActivationKind.SILU, gated=True, clamp_value=1.0)
+
+    def user_fn(x, z, spec):
+        return fused_activation(x, spec) * 2 + torch.clamp(z, max=spec.clamp_value)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(user_fn, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    with use_kernel_backend("eager"):
+        for c in (1.0, 0.5, 2.0, 0.25):
+            spec = dataclasses.replace(clamped, clamp_value=c)
+            x = (torch.randn(8, 16, generator=gen) * 2.5).requires_grad_()
+            z = torch.randn(8, 8, generator=gen) * 2.5
+            out = compiled(x, z, spec)
+            out.sum().backward()
+            x64 = x.detach().double().requires_grad_()
+            expected = spec.reference(x64) * 2 + torch.clamp(z.double(), max=c)
+            expected.sum().backward()
+            assert_close_to_reference(out, expected, torch.float32, f"c={c}")
+            assert_close_to_reference(x.grad, x64.grad, torch.float32, f"c={c} dx")
+
+
 # --------------------------------------------------------------- raw functions check inputs
 RAW_REFUSALS = [
     ("swiglu int", lambda: swiglu_mod.swiglu(torch.ones(2, 8, dtype=torch.int64)), TypeError),
