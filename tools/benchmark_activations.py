@@ -108,7 +108,7 @@ def time_interleaved(fns, calls=10, repeats=7, warmup=3, prime=True):
     one, as in a training loop, where the host runs ahead. Unprimed, the first call's host time
     (about 40 us for bare kernels, 200-350 us for a Python autograd forward+backward, this
     project's or TE's) counted as GPU time: 0.05-0.06 of the copy floor for a 10-call batch at
-    16384 x 8192 (docs/performance.md, runs 24-25). A call whose host side is slower than its
+    16384 x 8192 (docs/bench/history.md, runs 24-25). A call whose host side is slower than its
     kernels still measures host time: the priming call covers only the first one.
     """
     labels = list(fns)

@@ -21,7 +21,7 @@ is held to), the baseline's call, this tree's, this tree's with each ``--candida
 ``triton_kernels`` constants (with a bias and probabilities, also that candidate's own bias-only
 call), and each ``--variant``'s. It prints time / floor, the ratio of this tree to the baseline
 and, for weighted calls with a bias, each call's ratio to its bias-only one. Session 8's
-measurements of the weighted and bias backward (docs/performance.md, runs 31-33) were taken with
+measurements of the weighted and bias backward (docs/bench/history.md, runs 31-33) were taken with
 ad-hoc scripts of this form; session 9's (runs 34-35) with this one.
 """
 

@@ -3,7 +3,7 @@
 Usage (GPU): ``python tools/benchmark_kernel_variants.py [--rows 16384 --ffn 8192]``
 
 Times the raw kernels (no autograd) on a bf16 ``[rows, 2 * ffn]`` GLU input and reports each
-time divided by a device copy of the same bytes, all in one run (docs/performance.md):
+time divided by a device copy of the same bytes, all in one run (docs/bench/history.md):
 
 - ``compile``: the forward and the compiled part of the backward (``backward_terms``) compiled
   with ``dynamic=True``, with static shapes, and with dynamic rows and static widths (what

@@ -29,7 +29,7 @@ whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to 
 machine code keeps every timing and GPU test result taken on ``REV``.
 
 This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
-(docs/performance.md, session 8): 64 registers and a load span of 63 instructions, against 48
+(docs/bench/history.md, session 8): 64 registers and a load span of 63 instructions, against 48
 registers and 19 for the unweighted kernel. The instruction count found the cost of
 ``tl.exp``'s subnormal guard (session 10): SiTU-GLU(4,25)'s bf16 forward issued 61 instructions
 per element, 49 with ``tl.exp2``. It is a diagnostic, not a benchmark: the times come from the

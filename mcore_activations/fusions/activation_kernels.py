@@ -255,7 +255,7 @@ def _compiled(variant: KernelVariant, direction: str, width: int) -> Callable:
     marked dynamic; widths are fixed by the model config and are compiled as constants, one code
     object per width. With symbolic widths (``dynamic=True``) Inductor splits every flat index
     into (row, column) with a runtime integer division and cannot prove the alignment it needs
-    for vectorised loads: the kernels ran 2-3x slower on an H200 (docs/performance.md). Sharing
+    for vectorised loads: the kernels ran 2-3x slower on an H200 (docs/bench/history.md). Sharing
     one code object across widths would not keep them static either: after a second width,
     Dynamo's automatic dynamic shapes make the width symbolic for every later call.
     ``maybe_mark_dynamic`` (not ``mark_dynamic``) lets a one-row input specialise instead of
@@ -310,6 +310,6 @@ def compiled_backward(variant: KernelVariant, grad, x, bias, probs, params):
     # A GLU's halves are laid out as the input outside the compiled graph: inside it, Inductor
     # lowers the concatenation of two computed halves as one pointwise kernel that evaluates
     # both halves' math for every output element (1.8-6.6x the copy floor on an H200, against
-    # 1.9-2.5x with the layout done here; docs/performance.md). The Triton backend has neither
+    # 1.9-2.5x with the layout done here; docs/bench/history.md). The Triton backend has neither
     # cost: it writes dx in place.
     return assemble_backward(variant, *terms)

@@ -205,7 +205,7 @@ def _plain_eager_call(*tensors) -> bool:
     That holds for plain tensors outside every tracer: no torch.compile / export trace, no
     dispatch mode (fake tensors, FX proxies, functionalization, user modes) and no functorch
     transform (vmap, grad). Then the op would only forward to the same implementation, and its
-    dispatch costs about as much as a small expert's kernel (docs/performance.md). Everything
+    dispatch costs about as much as a small expert's kernel (docs/bench/history.md). Everything
     else goes through the op, which is what tracers and tensor subclasses see.
     """
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():

@@ -67,7 +67,7 @@ _HAS_PTX = os.environ.get("TRITON_INTERPRET") != "1" and not torch.version.hip
 # ``tl.exp`` adds a multiply by log2(e) and a guard that rescales arguments below -126 so that
 # subnormal results survive (a compare and two predicated multiplies): 3-4 instructions per
 # exponential, in kernels that SiTU-GLU's three per element make bound by instruction issue
-# (docs/performance.md, session 10). The call sites fold log2(e) into a constant they multiply
+# (docs/bench/history.md, session 10). The call sites fold log2(e) into a constant they multiply
 # by anyway; scaling it by -1, -2 or -0.5 is exact, so every argument is the one ``tl.exp`` saw.
 # Results at or above 2**-126 are therefore the same, smaller ones flush to 0. In the sigmoid and
 # the tanh an exponential only enters as ``1 + e`` or ``1 - e``, which a subnormal ``e`` leaves
@@ -135,7 +135,7 @@ def _tanh_via_sigmoid(x, FAST_DIV: tl.constexpr):
     # factor of 16, up to about 30 float32 ulp of the result (against _tanh's 7). Two
     # instructions fewer than _tanh; SiTU-GLU's linear half uses it in the backward and the
     # 16-bit forward. H200, bf16 SiTU-GLU(4,25), raw backward / copy floor at 16384 x 8192
-    # (docs/performance.md, session 11): 1.115 -> 1.094 with it for both halves, 1.136 with it
+    # (docs/bench/history.md, session 11): 1.115 -> 1.094 with it for both halves, 1.136 with it
     # for the linear half only; but SiTU-GLU(4), whose only tanh is the gate's, lost 0.03-0.05
     # weighted or with a bias when its gate took this form, so the gate keeps _tanh.
     t = 1.0 - 2.0 * _div(1.0, 1.0 + tl.exp2(x * (2.0 * _LOG2_E)), FAST_DIV)
@@ -267,7 +267,7 @@ def _situ_glu(
     runs reciprocals and exponentials at an eighth of the FMA rate (6.2 of its 49 instructions
     per element), and in float32 each div.full is several instructions. Raw forward / copy floor,
     SiTU-GLU(4,25) at 16384 x 8192: bf16 1.39 -> 1.24, float32 1.12 -> 0.97-0.98
-    (docs/performance.md, session 11). The extra rounding is a few float32 ulp.
+    (docs/bench/history.md, session 11). The extra rounding is a few float32 ulp.
 
     ``SHORT_INPUT`` (16-bit inputs) picks the linear tanh's form. On a GPU it coincides with
     ``FAST_DIV``; it is kept apart so the CPU interpreter, which has no hardware reciprocal,
@@ -566,7 +566,7 @@ def _activation_bwd_kernel(
     # rows < rows mask is the only one needed). Loading,
     # computing and storing in turn left memory idle while a program computed, and the
     # arithmetic is the same either way, so are the bits. H200, raw backward with bias / copy
-    # floor, in turn -> one trip ahead (docs/performance.md, run 34): bf16 SwiGLU(clamp=7) 1.27
+    # floor, in turn -> one trip ahead (docs/bench/history.md, run 34): bf16 SwiGLU(clamp=7) 1.27
     # -> 1.24 at 65536 x 1536, weighted 1.56 -> 1.38 at 65536 x 1536 and 1.63 -> 1.35 at 16384
     # x 8192, fp32 weighted 1.49 -> 1.09.
     if HAS_BIAS:
@@ -674,12 +674,12 @@ def _activation_bwd_kernel(
 # Launch shape. Tiles are counted in output elements: the forward streams 2 loads and 1 store
 # per element, the backward 3 loads and 2 stores and keeps more values live. The values are
 # plain constants, chosen from the H200 sweep of ``tools/benchmark_kernel_variants.py
-# --experiment tiles`` (docs/performance.md), not autotuned: a tuned choice could differ between
+# --experiment tiles`` (docs/bench/history.md), not autotuned: a tuned choice could differ between
 # runs, and the reductions' summation order (and so the gradients' bits) follows the tile shape.
 _FWD_TILE, _FWD_WARPS = 4096, 8
 # The weighted 16-bit GLU forward with a bias spreads the tile over fewer warps where the column
 # block is narrower than _FWD_MAX_BLOCK_N (_probs_bias_forward_plan). H200, bf16, raw forward /
-# copy floor, 8 -> 4 warps (docs/performance.md, session 16, run 70): clamped SwiGLU 1.266 ->
+# copy floor, 8 -> 4 warps (docs/bench/history.md, session 16, run 70): clamped SwiGLU 1.266 ->
 # 0.990 at 65536 x 1536 (its bias-only forward: 0.982), 1.167 -> 0.977 at 65536 x 2880, 1.207
 # -> 1.043 at 65536 x 768; quick-GEGLU 1.135 -> 0.996, 1.113 -> 0.995, 1.327 -> 1.055; GEGLU
 # 1.089 -> 0.985 at 65536 x 1536; SiTU-GLU(4) 1.217 -> 1.128. At 2048-column blocks (16384 x
@@ -688,7 +688,7 @@ _FWD_TILE, _FWD_WARPS = 4096, 8
 _FWD_WARPS_PROBS_BIAS_NARROW = 4
 # Two kinds keep 8 warps at 1024-column blocks (F = 2880, three blocks, the last one masked):
 # ReGLU, the lightest in arithmetic, and SiTU-GLU with a linear scale, the heaviest. H200, bf16,
-# 65536 x 2880, raw forward / copy floor, 4 -> 8 warps (docs/performance.md, session 18, runs
+# 65536 x 2880, raw forward / copy floor, 4 -> 8 warps (docs/bench/history.md, session 18, runs
 # 76-77): ReGLU 1.066 -> 0.995 (bias only: 0.973), SiTU-GLU(4,25) 1.547 -> 1.484 (1.489); every
 # other kind lost: SwiGLU 0.985 -> 1.033, clamped SwiGLU 0.985 -> 1.163, quick-GEGLU 1.000 ->
 # 1.112, GEGLU 0.976 -> 1.073, SiTU-GLU(4) 1.315 -> 1.337.
@@ -709,7 +709,7 @@ _BWD_PROBS_BIAS_ROWS = 2
 _BWD_PROBS_BIAS_WIDE_BLOCK_N = 1024  # the narrowest column block of the wide weighted plan
 # The narrow weighted plan's column block for the clamped kinds and the heavy gates where a row
 # spans several 512-column blocks (_probs_bias_backward_plan): 256 columns, one warp, twice the
-# programs. H200, bf16, raw backward / copy floor, 512 -> 256 (docs/performance.md, session 20,
+# programs. H200, bf16, raw backward / copy floor, 512 -> 256 (docs/bench/history.md, session 20,
 # runs 87-88), 65536 x 1536: clamped SwiGLU 1.217 -> 1.208, GEGLU 1.184 -> 1.176, quick-GEGLU
 # 1.227 -> 1.215, SiTU-GLU(4) 1.229 -> 1.202, SiTU-GLU(4,25) 1.326 -> 1.293, and 1-2.5 % at
 # 32768 x 2560; SwiGLU and ReGLU lost 1-1.5 % at both, and every kind lost 1.5-4.4 % at F = 512,
@@ -723,7 +723,7 @@ _BWD_BIAS_NARROW_MAX_REGISTERS = 96  # _BIAS_PROGRAMS_NARROW follows from it
 _BWD_PROBS_MAX_REGISTERS = None
 # Widest column blocks, one constant per direction. GLU forwards stream 2048-column blocks:
 # every GLU kind's raw forward measured 1.04-1.06x the copy floor at 1024 and 1.01-1.04x at 2048
-# (H200, bf16 [16384, 16384], candidates timed in turns; docs/performance.md, runs 9 and 13),
+# (H200, bf16 [16384, 16384], candidates timed in turns; docs/bench/history.md, runs 9 and 13),
 # fp32 SwiGLU(clamp=7) 1.03x and 1.01x. The backward gained at most 0.02 from wider rows and
 # SiTU-GLU's lost 0.09-0.17, so it stays at 1024.
 _FWD_MAX_BLOCK_N = 2048
@@ -745,7 +745,7 @@ _FLAT_UNARY = True
 # the one-row plan of _BIAS_PROGRAMS_NARROW): H200, bf16, raw backward / copy floor, 4096
 # against 1024 programs: 1.27 against 1.35 at 65536 x 1536, 1.37 against 1.60 at 16384 x 2880
 # (gpt-oss), 1.24 against 1.28 at 16384 x 8192; weighted and non-gated calls lost up to 0.11
-# with more (docs/performance.md, session 8).
+# with more (docs/bench/history.md, session 8).
 _BIAS_PROGRAMS = 1024
 _BIAS_PROGRAMS_GLU = 4096
 # The weighted 16-bit GLU backward with a bias at column blocks narrower than 1024
@@ -755,7 +755,7 @@ _BIAS_PROGRAMS_GLU = 4096
 # registers a thread an SM holds 16 warps, under 96 it holds 20. The count is of 2-warp
 # programs (512-column blocks, F = 1536): 1320 = 10 x 132 on an H200. Blocks of 256 columns or
 # fewer (F = 768) take one warp, and twice as many programs fill the same wave (_bias_programs).
-# H200, bf16, raw backward / copy floor (docs/performance.md): 1024 -> 1056 programs under 112
+# H200, bf16, raw backward / copy floor (docs/bench/history.md): 1024 -> 1056 programs under 112
 # registers at 65536 x 1536 (session 13, runs 54-55), every GLU kind 0.015-0.025 faster, 1188
 # (a second, partial wave) 1.67; 112 / 1056 -> 96 / 1320 (sessions 15-16, runs 65-67), clamped
 # SwiGLU 1.291 -> 1.217 (its bias-only backward: 1.234), GEGLU 1.235 -> 1.182, SwiGLU 1.195 ->
@@ -777,7 +777,7 @@ _BIAS_PROGRAMS_NARROW = 1320
 # half (a clamp, a tanh) keep their rows per program a multiple of 16 and compile knowing it
 # (ROWS_ALIGNED, _probs_bias_backward_plan); the others do not. H200, bf16, raw backward /
 # the bias-only backward, 1024 programs with Triton's default specialisation -> this
-# (docs/performance.md, session 14, runs 57-61): at 16384 x 2880 (gpt-oss) clamped SwiGLU
+# (docs/bench/history.md, session 14, runs 57-61): at 16384 x 2880 (gpt-oss) clamped SwiGLU
 # 1.21 -> 0.99, quick-GEGLU 1.12 -> 1.02, SwiGLU 1.09 -> 1.03, ReGLU 1.07 -> 1.02; at
 # 16384 x 8192 SiTU-GLU(4) 1.05 -> 0.98. Two to four waves ran slower nearly everywhere, and
 # each group lost up to 0.1 with the other group's alignment. The same counts serve the one-row
@@ -785,7 +785,7 @@ _BIAS_PROGRAMS_NARROW = 1320
 _BIAS_PROGRAMS_PROBS_WIDE = 396
 _BIAS_PROGRAMS_PROBS_WIDE_CAPPED = 528
 # The unweighted GLU backward with a bias keeps its rows per program aligned at column blocks at
-# least this wide. H200, raw backward / copy floor, aligned against not (docs/performance.md,
+# least this wide. H200, raw backward / copy floor, aligned against not (docs/bench/history.md,
 # session 14, runs 61-62): at 1024-column blocks 0.00-0.15 faster for every kind and dtype
 # (bf16 GEGLU 1.513 -> 1.362 at 8192 x 5120, 1.277 -> 1.212 at 65536 x 2880; at 16384 x 8192,
 # whose 32 rows per program were already a multiple of 16, only GEGLU moved, 1.215 -> 1.186), at
@@ -801,7 +801,7 @@ _BIAS_ROWS_ALIGNED = False
 # through shared memory (cp.async; tl.range's num_stages), N - 1 trips ahead, which costs 2-4 SASS
 # instructions an element (the copies, the shared-memory reads, the waits) but no registers. The
 # summation order, and so every bit, is the same either way. H200, raw backward with a bias /
-# copy floor, register prefetch -> this (docs/performance.md, session 19, runs 81-82):
+# copy floor, register prefetch -> this (docs/bench/history.md, session 19, runs 81-82):
 # - _BWD_BIAS_STAGES: the unweighted 16-bit GLU plan at 1024-column blocks (F = 1024, 2880, 8192,
 #   ...; narrower blocks take the one-row plan) and the unweighted 16-bit non-gated plan; float32
 #   keeps 0 (within 0.01, or up to 0.035 slower). At 16384 x 8192 every GLU kind 1.15-1.31 ->
@@ -833,12 +833,12 @@ _BWD_PROBS_BIAS_WIDE_STAGES = 4
 # small calls included, whose one to three rows per program round up to 16 (fewer, longer
 # programs). H200, bf16 unweighted GLU backward with a bias, raw, rounded / not (session 14,
 # runs 63-64): 0.86-1.07 at 1024-4096 rows, 0.99-1.22 at 256 rows, calls at 3-9x the floor
-# that move by 5-10 % between runs (docs/performance.md).
+# that move by 5-10 % between runs (docs/bench/history.md).
 _ROWS_ALIGNMENT = tl.constexpr(16)
 # Program order of the tiled kernels (_tile_ids): column blocks fastest, or row blocks fastest
 # (kept for tools/benchmark_kernel_variants.py --experiment launch). H200, bf16 and fp32 GLUs at
 # 16384 x 8192 and 65536 x 1536, raw / copy floor: forward 0.96-0.99 columns fastest against
-# 0.99-1.01 rows fastest, backward 0.97-0.98 against 1.01-1.02 (docs/performance.md, run 27).
+# 0.99-1.01 rows fastest, backward 0.97-0.98 against 1.01-1.02 (docs/bench/history.md, run 27).
 _COLUMNS_FASTEST = True
 
 
@@ -855,7 +855,7 @@ def _block_n(F: int, max_block_n: int) -> int:
 
     Wide blocks keep each row's loads long and contiguous: at F = 2880 (gpt-oss) 128-column
     blocks (the least waste) ran at 1.16x the copy floor on an H200, where TE and torch.compile
-    ran at 1.04-1.06x (docs/performance.md). Cached: the unweighted GLU backward asks on every
+    ran at 1.04-1.06x (docs/bench/history.md). Cached: the unweighted GLU backward asks on every
     call, and the search costs 1-2 us of host time (5 us through triton.next_power_of_2).
     """
     if F <= 128:
@@ -1038,7 +1038,7 @@ def _backward_plan(v, F, itemsize: int):
     stages = _BWD_BIAS_STAGES if itemsize <= 2 else 0
     if v.gated:
         # A 1024-element tile: one row where the column block is 1024 wide, two at F = 1536
-        # (512-column blocks); GLUs gain nothing from taller tiles (docs/performance.md).
+        # (512-column blocks); GLUs gain nothing from taller tiles (docs/bench/history.md).
         return _plan(
             v,
             F,
@@ -1097,8 +1097,8 @@ def _probs_bias_backward_plan(
     many 1-warp ones (``_bias_programs``), pipelined for SiTU-GLU with a linear scale
     (``_BWD_BIAS_NARROW_TANH_STAGES``); where a row spans several such blocks, the clamped kinds
     and the heavy gates narrow them to ``_BWD_PROBS_BIAS_NARROW_MAX_BLOCK_N`` columns. H200, bf16,
-    raw backward / copy floor, one row uncapped -> two rows a trip (docs/performance.md, session 12,
-    run 52; runs 50-51 timed the parts; the one pipelined row of session 19 at
+    raw backward / copy floor, one row uncapped -> two rows a trip (docs/bench/history.md,
+    session 12, run 52; runs 50-51 timed the parts; the one pipelined row of session 19 at
     ``_BWD_PROBS_BIAS_WIDE_STAGES``), 16384 x 8192: clamped SwiGLU
     1.33 -> 1.22, quick-GEGLU 1.26 -> 1.23, GEGLU 1.26 -> 1.19, SiTU-GLU(4) 1.30 -> 1.24,
     SiTU-GLU(4,25) 1.38 -> 1.29; 65536 x 1536 (512-column blocks, 1024 programs): 1.34 -> 1.31, 1.30
@@ -1190,7 +1190,7 @@ def _probs_backward_plan(
 
     The probability gradient is a sum over each row, so every program ends in a cross-warp
     reduction behind a barrier. Measured on an H200 (bf16 SwiGLU(clamp=7), raw backward / copy
-    floor, candidates in turns; docs/performance.md, run 15): at F = 1536 (512-column blocks) two
+    floor, candidates in turns; docs/bench/history.md, run 15): at F = 1536 (512-column blocks) two
     rows of 512 over 4 warps ran at 1.25, one row over 4 warps at 1.19, over 2 warps at 1.09 and
     over 1 warp at 1.19; at F = 8192 (1024-column blocks) one row over 4 warps ran at 1.07, over 2
     warps at 1.10. Both optima hold eight columns per thread; column blocks narrower than 256

@@ -243,7 +243,7 @@ def test_zero_rows(use_compile):
 def test_row_counts_share_one_graph_and_widths_are_static():
     """MoE changes the token count every step: new row counts must not recompile. Widths are
     compiled as constants, each with its own graphs (symbolic widths cost 2-3x on an H200,
-    docs/performance.md), and a second width must not turn the first one symbolic."""
+    docs/bench/history.md), and a second width must not turn the first one symbolic."""
     from torch._dynamo.utils import counters
 
     # A variant no other test compiles, so the counts below are this test's alone.
