@@ -44,9 +44,10 @@ def params_tensor(values: tuple[float, ...], device: torch.device) -> torch.Tens
 
     Inside a user's ``torch.compile`` region the tensor is built in the traced graph instead, so
     ``fullgraph=True`` holds. ``values`` are Python constants there, never symbolic floats: the
-    entry points pass every number through :func:`scalar_argument`, which specializes it, so the
-    value is part of the graph (and of every cache key derived from it) and guarded by Dynamo.
-    A new value recompiles; it can never be served code traced for an earlier one.
+    entry points pass every number through :func:`scalar_argument` or :func:`constant_scalars`,
+    and what reaches this function is specialized once more. The value is then part of the graph
+    (and of every cache key derived from it) and guarded by Dynamo: a new value recompiles, and
+    it can never be served code traced for an earlier one.
 
     Under a fake-tensor mode (``torch.export``, meta tracing) the tensor is made fresh in that
     mode and never cached: a fake tensor left in the cache would break every later real call.
