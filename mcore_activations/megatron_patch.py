@@ -781,7 +781,9 @@ def _undo(undo: list) -> None:
 def unpatch_megatron_core() -> None:
     """Restores every object :func:`patch_megatron_core` replaced (no-op when not patched).
 
-    Layers built while patched keep the attributes the patch gave them; build them again.
+    A layer built while patched then runs upstream's own forward again, computing what upstream
+    computes for its config, until the next :func:`patch_megatron_core` gives it the fixed path
+    back.
     """
     with _lock:
         _undo(_state["undo"])
