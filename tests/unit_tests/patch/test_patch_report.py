@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 from mcore_activations.megatron_patch import PatchedObject, PatchReport
 
@@ -36,10 +37,24 @@ def test_details_lists_every_object_and_why():
 
 @pytest.mark.parametrize("rank, printed", [(None, True), ("0", True), ("1", False), ("7", False)])
 def test_print_speaks_on_rank_0_only(monkeypatch, rank, printed):
+    # Before torch.distributed starts, the rank is torchrun's RANK (another test of this worker
+    # may have left a process group behind: it is not this test's rank).
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     if rank is None:
         monkeypatch.delenv("RANK", raising=False)
     else:
         monkeypatch.setenv("RANK", rank)
+    out = io.StringIO()
+    REPORT.print(file=out)
+    assert out.getvalue() == (str(REPORT) + "\n" if printed else "")
+
+
+@pytest.mark.parametrize("rank, printed", [(0, True), (3, False)])
+def test_print_follows_the_process_group_once_started(monkeypatch, rank, printed):
+    monkeypatch.setenv("RANK", "0" if rank else "5")  # the group's rank wins over the variable
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
     out = io.StringIO()
     REPORT.print(file=out)
     assert out.getvalue() == (str(REPORT) + "\n" if printed else "")
