@@ -19,12 +19,18 @@ import pytest
 from conftest import run_json
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAINING_ARCHIVE = Path(
-    os.environ.get(
-        "UPSTREAM_TRAINING_ARCHIVE",
-        REPO_ROOT.parent / "shared" / "upstream" / "megatron-lm-d98e8a64-training.tar.gz",
-    )
-)
+TRAINING_NAME = "megatron-lm-d98e8a64-training.tar.gz"
+
+
+def _training_archive() -> Path:
+    """Upstream main's training tree: UPSTREAM_TRAINING_ARCHIVE, else beside the main archive
+    (UPSTREAM_MAIN_ARCHIVE, as scripts/upstream_env.sh finds it), else in ../shared/upstream."""
+    if os.environ.get("UPSTREAM_TRAINING_ARCHIVE"):
+        return Path(os.environ["UPSTREAM_TRAINING_ARCHIVE"])
+    if os.environ.get("UPSTREAM_MAIN_ARCHIVE"):
+        return Path(os.environ["UPSTREAM_MAIN_ARCHIVE"]).parent / TRAINING_NAME
+    return REPO_ROOT.parent / "shared" / "upstream" / TRAINING_NAME
+
 
 CHECK = """
 import importlib.util, json, sys
@@ -68,9 +74,10 @@ def _training_tree(target: str, tmp_path: Path) -> dict:
     """Extra environment of a subprocess that can import ``target``'s megatron.training."""
     if target == "release":
         return {}  # the 0.19.2 wheel ships megatron.training
-    if not TRAINING_ARCHIVE.is_file():
-        pytest.skip(f"upstream main's training tree is not at {TRAINING_ARCHIVE}")
-    with tarfile.open(TRAINING_ARCHIVE) as archive:
+    archive_path = _training_archive()
+    if not archive_path.is_file():
+        pytest.skip(f"upstream main's training tree is not at {archive_path}")
+    with tarfile.open(archive_path) as archive:
         archive.extractall(tmp_path, filter="data")
     return {"PYTHONPATH": str(tmp_path / "megatron-lm")}
 
