@@ -206,7 +206,7 @@ _FIELD = re.compile(r"\s*([^:|]+):\s*([-+0-9.eE]+)\s*\|")
 _TIMER = re.compile(r"^\s*forward-backward\s*\.+:\s*\(([0-9.]+),\s*([0-9.]+)\)")
 _MEMORY = re.compile(r"memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)")
 _PATCH_REPORT = re.compile(r"MCORE_ACTIVATIONS_PATCH: (patched .*)")
-_ERROR_LINE = re.compile(r"^(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$")
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?(\w+(?:\.\w+)*(?:Error|Exception)): (.*)$")
 
 
 def parse_log(text: str, run: Run) -> None:

@@ -55,6 +55,19 @@ def test_log_parsing_keeps_the_first_error_line():
     assert run.error.startswith("RuntimeError: Output 0 of _LinearBackward is a view")
 
 
+def test_log_parsing_reads_the_error_of_a_run_without_torchrun():
+    # Without torchrun, torch prefixes the rank to the traceback lines; NCCL's exit warning
+    # comes last and must not stand in for the error.
+    run = tier.Run("gpt-oss", "unpatched", False, [])
+    tier.parse_log(
+        "[rank0]:     raise ValueError(...)\n"
+        "[rank0]: ValueError: Only support fusion of gelu and swiglu\n"
+        "[rank0]:[W1207 08:25:38.6 ProcessGroupNCCL.cpp:1575] Warning: destroy_process_group()\n",
+        run,
+    )
+    assert run.error == "ValueError: Only support fusion of gelu and swiglu"
+
+
 def test_the_control_sets_the_scale_of_equal():
     reference = _run("reference", losses=[7.0, 6.5, 6.0])
     control = _run("control", losses=[7.0, 6.0, 5.0])  # the clamp moves the loss by up to 1.0
