@@ -49,6 +49,7 @@ EQUAL_FRACTION = 0.1
 ITERATIONS = 20
 LARGE_ITERATIONS = 12
 WARMUP_ITERATIONS = 4  # left out of the step-time median
+RUN_TIMEOUT_S = 900
 
 TINY_MODEL = [
     "--num-layers", "2", "--hidden-size", "256", "--ffn-hidden-size", "512",
@@ -257,20 +258,27 @@ def execute(run: Run, *, entry: Path, extra_path: list[str], port: int, logs: Pa
     log = logs / f"{run.name}.log"
     started = time.monotonic()
     with open(log, "w") as out:
-        done = subprocess.run(
-            [sys.executable, str(entry / "pretrain_gpt.py"), *run.argv],
-            cwd=entry,
-            env=_environment(run, port, extra_path),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=900,
-        )
+        try:
+            done = subprocess.run(
+                [sys.executable, str(entry / "pretrain_gpt.py"), *run.argv],
+                cwd=entry,
+                env=_environment(run, port, extra_path),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=RUN_TIMEOUT_S,
+            )
+            returncode = done.returncode
+        except subprocess.TimeoutExpired:
+            # One hung run must not take the other runs' results with it.
+            returncode = None
     run.seconds = round(time.monotonic() - started, 1)
-    run.returncode = done.returncode
+    run.returncode = returncode
     parse_log(log.read_text(errors="replace"), run)
-    if done.returncode != 0 and run.error is None:
+    if returncode is None:
+        run.error = f"did not finish in {RUN_TIMEOUT_S} s"
+    elif returncode != 0 and run.error is None:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:]
-        run.error = f"exit {done.returncode}: {tail[0][:300] if tail else ''}"
+        run.error = f"exit {returncode}: {tail[0][:300] if tail else ''}"
     return run
 
 
@@ -289,12 +297,13 @@ def _first3(a: list[float], b: list[float]) -> Optional[float]:
 
 def verdict(run: Run, reference: Run, control: Optional[Run]) -> dict:
     """How ``run`` compares with ``reference``, on the scale the clamp's control sets."""
-    if run.patch != (run.patched_report is not None):
-        return {"cell": "INVALID: patch state not as requested", "equal": False}
     if not run.losses or run.returncode != 0:
+        # A run that stopped early may never have reached the patch's report line.
         refused = run.error and "UnsupportedActivationError" in run.error
         label = "refused at build" if refused else "crashes"
         return {"cell": f"{label}: {run.error}", "equal": False, "crashed": not refused}
+    if run.patch != (run.patched_report is not None):
+        return {"cell": "INVALID: patch state not as requested", "equal": False}
     diff = _max_diff(run.losses, reference.losses)
     if diff is None:
         return {"cell": "reference did not train", "equal": False}

@@ -108,3 +108,13 @@ def test_every_run_differs_from_its_reference_only_where_meant(target):
         assert set(reference) - set(patched) == set(config.unfused)
         assert runs[f"{config.name}.reference"].patch and runs[f"{config.name}.patched"].patch
         assert not runs[f"{config.name}.unpatched"].patch
+
+
+def test_a_run_that_hangs_is_recorded_and_does_not_stop_the_others(tmp_path, monkeypatch):
+    (tmp_path / "pretrain_gpt.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(tier, "RUN_TIMEOUT_S", 1)
+    run = tier.execute(
+        tier.Run("dsv4", "patched", True, []), entry=tmp_path, extra_path=[], port=0, logs=tmp_path
+    )
+    assert run.returncode is None and run.error == "did not finish in 1 s"
+    assert tier.verdict(run, _run("reference", losses=[1.0]), None)["cell"].startswith("crashes")
