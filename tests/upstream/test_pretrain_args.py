@@ -102,3 +102,52 @@ def test_every_planned_run_is_the_config_it_means_to_test(target, tmp_path):
         else:
             assert (c["activation"], c["offset"], c["bias"]) == ("silu", 0.0, False), name
         assert bool(c["shared"]) is (config == "dsv4-shared"), name
+
+
+SPEC_CHECK = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("upstream_pretrain", TOOL)
+tool = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = tool
+spec.loader.exec_module(tool)
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.global_vars import set_args
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.mlp import MLP
+from megatron.core import parallel_state
+
+# Transformer Engine's spec provider and TEFusedMLP are absent on the CPU: local stand-ins let the
+# spec module run its own logic (which layers it replaces) exactly as it does with TE.
+gpt_layer_specs.TESpecProvider = LocalSpecProvider
+gpt_layer_specs.TEFusedMLP = type("TEFusedMLP", (MLP,), {})
+config = next(c for c in tool.CONFIGS if c.name == "dsv4-tefused")
+run = tool.plan([config], ["patched"], TARGET, "tiny")[0]
+argv = list(run.argv)
+i = argv.index("--spec")
+sys.path.insert(0, SPECS)
+sys.argv = ["pretrain_gpt.py", *argv]
+args = parse_args()
+validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
+set_args(args)
+assert not parallel_state.model_parallel_is_initialized()  # as when pretrain_gpt imports it
+module = __import__(argv[i + 1], fromlist=[argv[i + 2]])
+block = getattr(module, argv[i + 2])
+built = []
+for layer in block.layer_specs:
+    mlp = layer.submodules.mlp
+    builder = getattr(getattr(mlp, "module", mlp), "func", mlp)
+    built.append(getattr(builder, "__self__", builder).__name__)
+print(json.dumps(built))
+"""
+
+
+def test_user_spec_builds_before_parallel_groups_and_replaces_dense_mlps_only(target, tmp_path):
+    """``--spec pretrain_gpt_spec ...`` is imported while upstream parses its arguments, before any
+    parallel group exists; it must build there, with the dense layer as TEFusedMLP and the MoE
+    layer as upstream's."""
+    code = SPEC_CHECK.replace("TOOL", repr(str(REPO_ROOT / "tools" / "upstream_pretrain.py")))
+    code = code.replace("TARGET", repr(target)).replace("SPECS", repr(str(REPO_ROOT / "tools")))
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    built = run_json(code, target, env={**env, **_training_tree(target, tmp_path)})
+    assert built == ["TEFusedMLP", "MoELayer"]
