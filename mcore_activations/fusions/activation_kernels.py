@@ -187,13 +187,15 @@ def forward_math(v: KernelVariant, x, bias, probs, params) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def backward_math(v: KernelVariant, grad, x, bias, probs, params):
+def backward_math(v: KernelVariant, grad, x, bias, probs, params, in_place: bool = False):
     """Backward of variant ``v``: ``(dx, dbias or None, dprobs or None)``.
 
     ``dbias`` is the float32 row-sum of ``dx`` cast to the bias dtype; ``dprobs`` is the row-wise
-    dot product of the incoming gradient with the unscaled activation.
+    dot product of the incoming gradient with the unscaled activation. With ``in_place``, ``dx``
+    is written over ``x`` (see :func:`assemble_backward`).
     """
-    return assemble_backward(v, *backward_terms(v, grad, x, bias, probs, params))
+    terms = backward_terms(v, grad, x, bias, probs, params)
+    return assemble_backward(v, *terms, out=x if in_place else None)
 
 
 def backward_terms(v: KernelVariant, grad, x, bias, probs, params):
@@ -225,10 +227,30 @@ def backward_terms(v: KernelVariant, grad, x, bias, probs, params):
     return tuple(part.to(x.dtype) for part in parts), dbias, dprobs
 
 
-def assemble_backward(v: KernelVariant, dx_parts, dbias, dprobs):
-    """``(dx, dbias, dprobs)`` from :func:`backward_terms`: a GLU's halves in the input layout."""
-    dx = interleave_glu(*dx_parts, v.interleave) if v.gated else dx_parts[0]
-    return dx, dbias, dprobs
+def assemble_backward(v: KernelVariant, dx_parts, dbias, dprobs, out=None):
+    """``(dx, dbias, dprobs)`` from :func:`backward_terms`: a GLU's halves in the input layout.
+
+    With ``out`` (the input itself, for an in-place backward) the parts are copied into ``out``
+    and ``out`` is ``dx``. Every term was computed from the input before this point, so the
+    copy changes no value; it only reuses the input's memory.
+    """
+    if out is None:
+        dx = interleave_glu(*dx_parts, v.interleave) if v.gated else dx_parts[0]
+        return dx, dbias, dprobs
+    with torch.no_grad():
+        if not v.gated:
+            out.copy_(dx_parts[0])
+        elif v.interleave is None:
+            gate, lin = out.chunk(2, dim=-1)
+            gate.copy_(dx_parts[0])
+            lin.copy_(dx_parts[1])
+        else:
+            # [rows, pairs, (gate, linear), block]: the interleaved layout as views of ``out``.
+            k = v.interleave
+            blocks = out.unflatten(-1, (out.shape[-1] // (2 * k), 2, k))
+            blocks[..., 0, :].copy_(dx_parts[0].unflatten(-1, (-1, k)))
+            blocks[..., 1, :].copy_(dx_parts[1].unflatten(-1, (-1, k)))
+    return out, dbias, dprobs
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -302,14 +324,14 @@ def compiled_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Te
     return _compiled(variant, "fwd", x.shape[-1])(x, bias, probs, params)
 
 
-def compiled_backward(variant: KernelVariant, grad, x, bias, probs, params):
+def compiled_backward(variant: KernelVariant, grad, x, bias, probs, params, in_place=False):
     """:func:`backward_math` compiled by ``torch.compile`` (the ``"inductor"`` backend)."""
     if x.shape[0] == 0:
-        return backward_math(variant, grad, x, bias, probs, params)
+        return backward_math(variant, grad, x, bias, probs, params, in_place)
     terms = _compiled(variant, "bwd", x.shape[-1])(grad, x, bias, probs, params)
     # A GLU's halves are laid out as the input outside the compiled graph: inside it, Inductor
     # lowers the concatenation of two computed halves as one pointwise kernel that evaluates
     # both halves' math for every output element (1.8-6.6x the copy floor on an H200, against
     # 1.9-2.5x with the layout done here; docs/bench/history.md). The Triton backend has neither
     # cost: it writes dx in place.
-    return assemble_backward(variant, *terms)
+    return assemble_backward(variant, *terms, out=x if in_place else None)

@@ -1,15 +1,17 @@
 """The activation kernels as ``torch.library`` custom ops, and the one place a backend is chosen.
 
 Two ops, ``mcore_activations::activation_forward`` and ``mcore_activations::activation_backward``,
-stand for the whole kernel family. A user's ``torch.compile`` or ``torch.export`` sees each as one
-opaque node (its shapes come from the fake implementations below), so no tracer ever looks at
-the runtime scalars: they stay inside the ``params`` tensor, and one graph serves every clamp
-value. Both ops are registered with the low-level ``torch.library.Library`` API: the decorator
-API (``torch.library.custom_op``) costs about 10 us more per call in Python, which is a
-measurable share of a small MoE expert's activation.
+stand for the whole kernel family, plus ``activation_backward_in_place``, the backward that writes
+the input gradient over its input (``mcore_activations.fusions.in_place``). A user's
+``torch.compile`` or ``torch.export`` sees each as one opaque node (its shapes come from the fake
+implementations below), so no tracer ever looks at the runtime scalars: they stay inside the
+``params`` tensor, and one graph serves every clamp value. The ops are registered with the
+low-level ``torch.library.Library`` API: the decorator API (``torch.library.custom_op``) costs
+about 10 us more per call in Python, which is a measurable share of a small MoE expert's
+activation.
 
 Outside every tracer, on plain tensors, ``run_forward`` / ``run_backward`` call the backend
-directly instead of going through the dispatcher (``_plain_eager_call`` says when that is
+directly instead of going through the dispatcher (``plain_eager_call`` says when that is
 exactly equivalent); the op's host cost is otherwise a large share of a small call.
 
 Backends (``kernel_backend``):
@@ -118,12 +120,13 @@ def _forward(backend: str, variant, x, bias, probs, params) -> torch.Tensor:
     return activation_kernels.forward_math(variant, x, bias, probs, params)
 
 
-def _backward(backend: str, variant, grad, x, bias, probs, params):
+def _backward(backend: str, variant, grad, x, bias, probs, params, in_place=False):
     if backend == "triton":
-        return _triton_kernels().triton_backward(variant, grad, x, bias, probs, params)
+        kernels = _triton_kernels()
+        return kernels.triton_backward(variant, grad, x, bias, probs, params, in_place)
     if backend == "inductor":
-        return activation_kernels.compiled_backward(variant, grad, x, bias, probs, params)
-    return activation_kernels.backward_math(variant, grad, x, bias, probs, params)
+        return activation_kernels.compiled_backward(variant, grad, x, bias, probs, params, in_place)
+    return activation_kernels.backward_math(variant, grad, x, bias, probs, params, in_place)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -136,6 +139,12 @@ _LIB.define(
 _LIB.define(
     f"activation_backward(Tensor grad, Tensor x, Tensor? bias, Tensor? probs, Tensor params, "
     f"{_STRUCTURE}) -> (Tensor, Tensor, Tensor)"
+)
+# The in-place backward: dx is written over x (declared mutated, so functionalization and the
+# version counter see it); it returns the bias and probability gradients only.
+_LIB.define(
+    f"activation_backward_in_place(Tensor grad, Tensor(a!) x, Tensor? bias, Tensor? probs, "
+    f"Tensor params, {_STRUCTURE}) -> (Tensor, Tensor)"
 )
 
 
@@ -175,6 +184,13 @@ def _backward_impl(grad, x, bias, probs, params, *structure):
     return dx, _or_empty(dbias, x), _or_empty(dprobs, x)
 
 
+def _backward_in_place_impl(grad, x, bias, probs, params, *structure):
+    variant = _variant(bias, probs, *structure)
+    backend = kernel_backend(x.device)
+    _, dbias, dprobs = _backward(backend, variant, grad, x, bias, probs, params, True)
+    return _or_empty(dbias, x), _or_empty(dprobs, x)
+
+
 def _or_empty(t: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return t if t is not None else like.new_empty(0)
 
@@ -189,17 +205,28 @@ def _backward_fake(grad, x, bias, probs, params, *structure):
     return torch.empty_like(x), dbias, dprobs
 
 
+def _backward_in_place_fake(grad, x, bias, probs, params, *structure):
+    dbias = torch.empty_like(bias) if bias is not None else x.new_empty(0)
+    dprobs = torch.empty_like(probs) if probs is not None else x.new_empty(0)
+    return dbias, dprobs
+
+
 for _key in ("CPU", "CUDA"):
     _LIB.impl("activation_forward", _forward_impl, _key)
     _LIB.impl("activation_backward", _backward_impl, _key)
+    _LIB.impl("activation_backward_in_place", _backward_in_place_impl, _key)
 torch.library.register_fake("mcore_activations::activation_forward", _forward_fake, lib=_LIB)
 torch.library.register_fake("mcore_activations::activation_backward", _backward_fake, lib=_LIB)
+torch.library.register_fake(
+    "mcore_activations::activation_backward_in_place", _backward_in_place_fake, lib=_LIB
+)
 
 activation_forward_op = torch.ops.mcore_activations.activation_forward.default
 activation_backward_op = torch.ops.mcore_activations.activation_backward.default
+activation_backward_in_place_op = torch.ops.mcore_activations.activation_backward_in_place.default
 
 
-def _plain_eager_call(*tensors) -> bool:
+def plain_eager_call(*tensors) -> bool:
     """True when calling a backend directly is indistinguishable from calling the op.
 
     That holds for plain tensors outside every tracer: no torch.compile / export trace, no
@@ -217,16 +244,35 @@ def _plain_eager_call(*tensors) -> bool:
 
 def run_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Tensor:
     """The forward op on a 2-D ``x`` (``probs`` ``[rows, 1]`` or None)."""
-    if _plain_eager_call(x, bias, probs, params):
+    if plain_eager_call(x, bias, probs, params):
         return _forward(kernel_backend(x.device), variant, x, bias, probs, params)
     return activation_forward_op(x, bias, probs, params, *structure_args(variant))
 
 
 def run_backward(variant: KernelVariant, grad, x, bias, probs, params):
     """The backward op: ``(dx, dbias or None, dprobs or None)``."""
-    if _plain_eager_call(grad, x, bias, probs, params):
+    if plain_eager_call(grad, x, bias, probs, params):
         return _backward(kernel_backend(x.device), variant, grad, x, bias, probs, params)
     dx, dbias, dprobs = activation_backward_op(
         grad, x, bias, probs, params, *structure_args(variant)
     )
     return dx, dbias if bias is not None else None, dprobs if probs is not None else None
+
+
+def run_backward_in_place(variant: KernelVariant, grad, x, bias, probs, params):
+    """The in-place backward op on a contiguous 2-D ``x``: ``(x, dbias or None, dprobs or None)``
+    with the input gradient written over ``x``, whose version counter is then bumped (a later
+    read of ``x`` saved by another autograd node fails instead of seeing the gradient)."""
+    version = x._version
+    if plain_eager_call(grad, x, bias, probs, params):
+        _, dbias, dprobs = _backward(
+            kernel_backend(x.device), variant, grad, x, bias, probs, params, True
+        )
+    else:
+        dbias, dprobs = activation_backward_in_place_op(
+            grad, x, bias, probs, params, *structure_args(variant)
+        )
+        dbias, dprobs = dbias if bias is not None else None, dprobs if probs is not None else None
+    if x._version == version:  # the Triton kernels write through a pointer autograd never sees
+        torch.autograd.graph.increment_version(x)
+    return x, dbias, dprobs

@@ -6,6 +6,11 @@ one fused forward kernel and one fused backward kernel, through the custom ops o
 (``bias_swiglu_impl``, ``weighted_bias_swiglu_impl``, ``weighted_bias_quick_geglu_impl``,
 ``bias_geglu_impl``, ``bias_gelu_impl``, ``weighted_squared_relu_impl``) and the MLP / expert
 fused paths all come here, so they share one implementation per activation.
+
+With the in-place backward option (``in_place_backward``, :mod:`.in_place`) the backward writes
+the input gradient over the saved input; the rules that keep that safe are applied here, around
+the autograd Function: refused in the forward or the backward where it is unsafe, and run out of
+place where it would save nothing (no input gradient wanted, a double backward, a traced graph).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mcore_activations.activation_spec import (
     ActivationSpec,
     UnsupportedActivationError,
 )
+from mcore_activations.fusions import in_place
 from mcore_activations.fusions.activation_kernels import (
     KernelVariant,
     backward_math,
@@ -27,14 +33,25 @@ from mcore_activations.fusions.activation_kernels import (
     params_tensor,
     spec_params,
 )
-from mcore_activations.fusions.activation_ops import run_backward, run_forward
+from mcore_activations.fusions.activation_ops import (
+    plain_eager_call,
+    run_backward,
+    run_backward_in_place,
+    run_forward,
+)
 from mcore_activations.fusions.kernel_params import constant_scalars
 
 FP8_STORE_DTYPE = torch.float8_e4m3fn
 
 
 def activation_forward(
-    spec: ActivationSpec, x, bias=None, probs=None, *, eager: bool = False
+    spec: ActivationSpec,
+    x,
+    bias=None,
+    probs=None,
+    *,
+    eager: bool = False,
+    in_place_backward: Optional[bool] = None,
 ) -> torch.Tensor:
     """Forward of ``spec`` on any-rank ``x``; ``probs`` has one value per row.
 
@@ -43,21 +60,23 @@ def activation_forward(
     otherwise straight through the forward op. ``eager=True`` runs the torch reference math
     instead (the eager twin of the compiled entry points; autograd differentiates it). The
     inputs are checked first (:func:`check_inputs`), as in every public entry point.
+    ``in_place_backward``: as in :func:`fused_activation` (None: the process default).
     """
     spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)
+    write_over_input = in_place.resolve(in_place_backward)
     if not eager and torch.is_grad_enabled() and _any_requires_grad(x, bias, probs):
-        return _apply_fused(spec, x, bias, probs, False, False)
+        return _apply_fused(spec, x, bias, probs, False, False, write_over_input)
     return _forward_no_autograd(spec, x, bias, probs, eager)
 
 
-def _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input):
+def _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward):
     # The rows are flattened outside the autograd Function, as upstream's impls do: an output
     # reshaped inside it would be a view made in a custom Function, and autograd refuses in-place
     # ops on those (``bias_swiglu_impl(x3d, None).mul_(2)``).
     x2d, probs2d = _flatten(x, probs)
     out = FusedActivationFunction.apply(
-        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input
+        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input, in_place_backward
     )
     return out if x2d is x else _unflatten(out, x.shape)
 
@@ -180,18 +199,59 @@ def _flatten(x, probs):
     return x2d, probs2d
 
 
-def save_and_forward(ctx, spec, x, bias, probs, fp8_input_store=False, cpu_offload_input=False):
+def save_and_forward(
+    ctx,
+    spec,
+    x,
+    bias,
+    probs,
+    fp8_input_store=False,
+    cpu_offload_input=False,
+    in_place_backward: Optional[bool] = None,
+):
     """Forward half of every activation ``autograd.Function`` in megatron.core.fusions.
 
     Checks the inputs (:func:`check_inputs`), runs the kernel on 2-D inputs and saves only the
     activation input (optionally as fp8 e4m3, which is lossy: the backward then differentiates
     at the rounded input) plus bias and probabilities; the backward kernel recomputes the forward.
+    ``in_place_backward`` None means the process default (the upstream-named Functions, whose
+    ``forward`` signatures are upstream's, take it that way).
     """
     check_inputs(spec, x, bias, probs)
-    return _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+    write_over_input = in_place.resolve(in_place_backward)
+    return _run_and_save(
+        ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, write_over_input
+    )
 
 
-def _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input):
+# ctx.in_place: what the backward writes its input gradient over.
+_OUT_OF_PLACE, _OVER_INPUT, _OVER_UPCAST = 0, 1, 2
+
+
+def _in_place_mode(x, fp8_input_store, cpu_offload_input) -> int:
+    """How an in-place backward runs for input ``x``, after the forward-time refusals."""
+    if not x.requires_grad or not plain_eager_call(x):
+        # No input gradient is wanted (the caller's tensor stays untouched), or a tracer or a
+        # tensor subclass is recording the graph and plans its memory itself.
+        return _OUT_OF_PLACE
+    if fp8_input_store:
+        # The backward upcasts the saved fp8 copy into a buffer of its own; writing over that
+        # buffer is safe whatever else holds the input (and a second backward still works).
+        return _OVER_UPCAST
+    in_place.check_forward(x, cpu_offload_input)
+    return _OVER_INPUT
+
+
+def _run_and_save(
+    ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward=False
+):
+    # Refusals come before any work; the mode is the backward's to read.
+    ctx.in_place = (
+        _in_place_mode(x, fp8_input_store, cpu_offload_input)
+        if in_place_backward
+        else _OUT_OF_PLACE
+    )
+    ctx.in_place_ran = False
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     params = params_tensor(spec_params(spec), x.device)
     # The kernels work on rows; any leading shape is flattened here and restored on the way out.
@@ -222,12 +282,29 @@ def _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
 
 def saved_backward(ctx, grad):
     """Backward half matching :func:`save_and_forward`: ``(dx, dbias, dprobs)``."""
+    if ctx.in_place == _OVER_INPUT:
+        # Before the saved tensors are unpacked: on a second backward their version check
+        # would fail first, with a message that does not say why.
+        in_place.check_backward(ctx.in_place_ran)
     stored, bias, probs = ctx.saved_tensors
     x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
+    # A double backward (create_graph=True) differentiates this backward, which reads x: it
+    # runs out of place.
+    write = ctx.in_place and ctx.needs_input_grad[0] and not torch.is_grad_enabled()
+    if write:
+        # detach(): the same memory and version counter, without the forward graph's history.
+        x = x.detach()
     x, probs = _flatten(x, probs)
     # The kernels make their operands contiguous themselves (free when they already are).
     grad2d = grad if grad.dim() == 2 else grad.reshape(x.shape[0], grad.shape[-1])
-    dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
+    if write:
+        # A non-contiguous input is copied first and the copy overwritten: the same result,
+        # without the memory saving.
+        x = x if x.is_contiguous() else x.contiguous()
+        dx, dbias, dprobs = run_backward_in_place(ctx.variant, grad2d, x, bias, probs, ctx.params)
+        ctx.in_place_ran = ctx.in_place == _OVER_INPUT
+    else:
+        dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
     # Views only where the caller's shapes were not already the kernels' 2-D ones: each costs
     # microseconds of host time, a share of a small expert's call.
     if dprobs is not None and dprobs.shape != ctx.probs_shape:
@@ -245,15 +322,22 @@ class FusedActivationFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input):
-        """Runs the forward kernel of ``spec`` on inputs its callers have checked."""
-        return _run_and_save(ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+    def forward(
+        ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input, in_place_backward=False
+    ):
+        """Runs the forward kernel of ``spec`` on inputs its callers have checked.
+
+        ``in_place_backward`` is a resolved bool here (the functional API resolves None).
+        """
+        return _run_and_save(
+            ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward
+        )
 
     @staticmethod
     def backward(ctx, grad):
         """Gradients for x, bias and probs."""
         dx, dbias, dprobs = saved_backward(ctx, grad)
-        return dx, dbias, dprobs, None, None, None
+        return dx, dbias, dprobs, None, None, None, None
 
 
 def _any_requires_grad(*tensors) -> bool:
@@ -292,6 +376,7 @@ def fused_activation(
     probs: Optional[torch.Tensor] = None,
     fp8_input_store: bool = False,
     cpu_offload_input: bool = False,
+    in_place_backward: Optional[bool] = None,
 ) -> torch.Tensor:
     """Applies ``spec`` to ``x`` with fused forward and backward kernels.
 
@@ -304,15 +389,28 @@ def fused_activation(
             differentiable.
         fp8_input_store: Save the input as fp8 e4m3 for the backward pass.
         cpu_offload_input: Tag the saved tensors for activation offloading.
+        in_place_backward: Write the input gradient over the saved input instead of a new
+            buffer (same numbers, one input-sized buffer less at the backward's peak). None:
+            the process default (``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD``,
+            ``in_place.set_in_place_backward``), off unless set. After the backward, ``x``
+            holds its gradient.
 
     Returns:
         ``[..., F]`` in ``x.dtype``.
+
+    Raises:
+        TypeError: ``in_place_backward`` is not True, False or None.
+        ValueError: ``in_place_backward`` with ``cpu_offload_input``.
+        in_place.InPlaceBackwardError: ``in_place_backward`` where writing over ``x`` is unsafe
+            (a leaf ``x``, saved-tensor hooks, CUDA graph capture, ``x`` saved by another
+            in-place activation; in the backward: a second backward through a retained graph).
     """
     lower_to_fused_kernel(spec, "fused_activation")
     spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)
+    write_over_input = in_place.resolve(in_place_backward)
     if not (torch.is_grad_enabled() and _any_requires_grad(x, bias, probs)):
         # Nothing to differentiate: skip the autograd function and what it saves (its host
         # cost is a large part of a small call's time).
         return _forward_no_autograd(spec, x, bias, probs)
-    return _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input)
+    return _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input, write_over_input)

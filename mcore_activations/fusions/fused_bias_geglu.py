@@ -99,10 +99,14 @@ class GeGLUFunction(torch.autograd.Function):
         return saved_backward(ctx, grad_output)[0]
 
 
-def bias_geglu_impl(input, bias):
-    """Fused GEGLU (tanh GELU) of ``input (+ bias)``; ``[N|s,b, 2F] -> [N|s,b, F]``."""
+def bias_geglu_impl(input, bias, *, in_place_backward=None):
+    """Fused GEGLU (tanh GELU) of ``input (+ bias)``; ``[N|s,b, 2F] -> [N|s,b, F]``.
+
+    ``in_place_backward`` (keyword only): write the input gradient over ``input`` in the
+    backward; None: the process default (see ``fused_activation``).
+    """
     check_impl_input(input)
-    return fused_activation(input, GEGLU, bias=bias)
+    return fused_activation(input, GEGLU, bias=bias, in_place_backward=in_place_backward)
 
 
 # -------------------------------------------------------------------------------- quick-GEGLU
@@ -184,7 +188,14 @@ class WeightedBiasQuickGeGLUFunction(torch.autograd.Function):
 
 
 def weighted_bias_quick_geglu_impl(
-    input, bias, weights, fp8_input_store=False, linear_offset=0.0, clamp_value=None
+    input,
+    bias,
+    weights,
+    fp8_input_store=False,
+    linear_offset=0.0,
+    clamp_value=None,
+    *,
+    in_place_backward=None,
 ):
     """Fused quick-GEGLU of ``input (+ bias)`` times per-row ``weights`` ``[N, 1]``.
 
@@ -198,7 +209,16 @@ def weighted_bias_quick_geglu_impl(
         fp8_input_store: Save the input in fp8 e4m3 for backward.
         linear_offset: Added to the linear half after clamping.
         clamp_value: Optional clamp ``c > 0``.
+        in_place_backward: Write the input gradient over ``input`` in the backward (keyword
+            only; None: the process default, see ``fused_activation``).
     """
     check_impl_input(input)
     spec = quick_geglu_spec(linear_offset, clamp_value)
-    return fused_activation(input, spec, bias=bias, probs=weights, fp8_input_store=fp8_input_store)
+    return fused_activation(
+        input,
+        spec,
+        bias=bias,
+        probs=weights,
+        fp8_input_store=fp8_input_store,
+        in_place_backward=in_place_backward,
+    )

@@ -224,6 +224,8 @@ def bias_swiglu_impl(
     clamp_value=None,
     gate_clamp_scale=None,
     linear_clamp_scale=None,
+    *,
+    in_place_backward=None,
 ):
     """Fused SwiGLU of ``input (+ bias)`` with optional clamp or SiTU-GLU scales.
 
@@ -235,6 +237,8 @@ def bias_swiglu_impl(
         clamp_value: DeepSeek-V4 clamp, applied when ``> 0``.
         gate_clamp_scale: SiTU-GLU gate scale ``s_g``.
         linear_clamp_scale: SiTU-GLU linear scale ``s_l``.
+        in_place_backward: Write the input gradient over ``input`` in the backward (keyword
+            only; None: the process default, see ``fused_activation``).
 
     Returns:
         ``[N, F]`` or ``[s, b, F]`` in ``input.dtype``.
@@ -247,6 +251,7 @@ def bias_swiglu_impl(
         bias=bias,
         fp8_input_store=fp8_input_store,
         cpu_offload_input=cpu_offload_input,
+        in_place_backward=in_place_backward,
     )
 
 
@@ -258,8 +263,12 @@ def weighted_bias_swiglu_impl(
     clamp_value=None,
     gate_clamp_scale=None,
     linear_clamp_scale=None,
+    *,
+    in_place_backward=None,
 ):
     """Fused SwiGLU times per-row ``weights`` ``[N, 1]`` (MoE router probabilities).
+
+    ``in_place_backward`` (keyword only): as in :func:`bias_swiglu_impl`.
 
     Raises:
         NotImplementedError: if ``bias`` is not None (as upstream).
@@ -268,4 +277,10 @@ def weighted_bias_swiglu_impl(
     if bias is not None:
         raise NotImplementedError("Bias is not supported for weighted swiglu fusion")
     spec = swiglu_spec(clamp_value, gate_clamp_scale, linear_clamp_scale)
-    return fused_activation(input, spec, probs=weights, fp8_input_store=fp8_input_store)
+    return fused_activation(
+        input,
+        spec,
+        probs=weights,
+        fp8_input_store=fp8_input_store,
+        in_place_backward=in_place_backward,
+    )

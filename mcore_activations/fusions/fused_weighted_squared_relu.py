@@ -54,15 +54,17 @@ class WeightedSquaredReLUFunction(torch.autograd.Function):
         return dx, dw
 
 
-def weighted_squared_relu_impl(input, weights, clamp_scale=None):
+def weighted_squared_relu_impl(input, weights, clamp_scale=None, *, in_place_backward=None):
     """Fused (optionally tanh soft-clamped) squared ReLU times per-row ``weights``.
 
     Args:
         input: ``[N, F]`` or ``[s, b, F]``.
         weights: ``[N, 1]`` per-row weights, or None for no weighting.
         clamp_scale: Tanh soft-clamp scale ``s > 0`` or None.
+        in_place_backward: Write the input gradient over ``input`` in the backward (keyword
+            only; None: the process default, see ``fused_activation``).
     """
     check_impl_input(input)
     clamp_scale = scalar_argument("clamp_scale", clamp_scale)
     spec = ActivationSpec(ActivationKind.SQUARED_RELU, gate_tanh_scale=clamp_scale)
-    return fused_activation(input, spec, probs=weights)
+    return fused_activation(input, spec, probs=weights, in_place_backward=in_place_backward)

@@ -1469,13 +1469,27 @@ def _row_split(v, rows: int, F: int, plan, itemsize: int) -> tuple[int, int, int
 
 
 def triton_backward(
-    v, grad, x, bias, probs, params
+    v, grad, x, bias, probs, params, in_place: bool = False
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Backward of variant ``v``: ``(dx, dbias or None, dprobs or None)``, dx laid out as ``x``."""
+    """Backward of variant ``v``: ``(dx, dbias or None, dprobs or None)``, dx laid out as ``x``.
+
+    With ``in_place`` the kernels write ``dx`` over ``x`` (which must be contiguous) and return
+    ``x``. Both kernels allow it: every input element is read only by the program that writes
+    its gradient (a GLU's output column maps to one gate and one linear input column, and row
+    ranges are split between programs), that program loads a tile before it stores the tile's
+    gradients, and what it loads ahead (the next trip's rows, or Triton's pipelined stages) are
+    rows it has not written yet. The bias and probability gradients are reduced from values in
+    registers, never read back from ``dx``. So the same code computes the same bits either way.
+    """
+    if in_place and not x.is_contiguous():
+        raise ValueError(
+            f"an in-place activation backward needs a contiguous input; got strides "
+            f"{x.stride()} for shape {tuple(x.shape)} (make it contiguous first)."
+        )
     grad, x, bias, probs = _contiguous(grad, x, bias, probs)
     rows, width = x.shape
     F = width // 2 if v.gated else width
-    dx = torch.empty_like(x)
+    dx = x if in_place else torch.empty_like(x)
     if rows == 0:
         dbias = torch.zeros_like(bias) if bias is not None else None
         dprobs = torch.zeros_like(probs) if probs is not None else None
