@@ -206,7 +206,10 @@ class ActivationSpec:
     custom_func: Optional[Callable] = field(default=None, compare=True)
 
     def __post_init__(self):
-        object.__setattr__(self, "kind", ActivationKind(self.kind))
+        # Entry points build specs inside a caller's torch.compile; some Dynamo releases (2.11)
+        # cannot trace the Enum constructor, so a member already given is kept as it is.
+        if not isinstance(self.kind, ActivationKind):
+            object.__setattr__(self, "kind", ActivationKind(self.kind))
         for name in ("clamp_value", "gate_tanh_scale", "linear_tanh_scale"):
             value = getattr(self, name)
             if value is not None:

@@ -17,6 +17,12 @@ python3 -m pytest -m "gpu and not multigpu" tests/unit_tests -n "${GPU_TEST_WORK
   -p no:cacheprovider -rfs > "$OUT/gpu_tests.log" 2>&1
 tests_rc=$?
 tail -5 "$OUT/gpu_tests.log"
+# The compile contracts also run unmarked on the CPU tier; here they meet the GPU machine's torch,
+# usually another release than CI's, whose Dynamo traces the entry points differently.
+python3 -m pytest tests/unit_tests/fusions/test_entry_point_contracts.py \
+  tests/unit_tests/fusions/test_entry_point_properties.py tests/unit_tests/fusions/test_compile_safety.py \
+  -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfs > "$OUT/compile_contracts.log" 2>&1 || tests_rc=1
+tail -3 "$OUT/compile_contracts.log"
 python3 -m megatron.core.transformer.activation_audit --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1
 audit_rc=$?
 grep -v "^ \|Traceback\|Warning" "$OUT/audit.txt" | head -40
