@@ -24,6 +24,7 @@ from megatron.core.parallel_state_ranks import (
     get_tensor_model_parallel_rank,
 )
 from megatron.core.parallel_state_store import group_of
+from megatron.core.parallel_state_store import is_initialized as parallel_state_is_initialized
 
 # parallel_state imports this module (GlobalMemoryBuffer), so the parallel-state lookups here come
 # from the two modules below it, which read the same tables: no import cycle, same answers.
@@ -59,7 +60,8 @@ def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, chec
     """Returns ``tp_group``, or the global (expert) tensor-parallel group when it is None.
 
     Passing the group explicitly is preferred; falling back to ``parallel_state`` is deprecated
-    upstream and warns once. Without ``torch.distributed`` there is no group and None comes back.
+    upstream and warns once. Without ``torch.distributed``, or before ``parallel_state`` is
+    initialized, there is no group and None comes back.
 
     Args:
         tp_group: The group to use, if the caller has one.
@@ -70,6 +72,10 @@ def get_tensor_model_parallel_group_if_none(tp_group=None, is_expert=False, chec
         return None
     if tp_group is not None:
         return tp_group
+    if not parallel_state_is_initialized():
+        # As upstream: before initialize_model_parallel (e.g. a layer built in a process that
+        # has a default group only) the layer gets no group and runs on this rank alone.
+        return None
 
     if torch.distributed.get_rank() == 0:
         warnings.warn(

@@ -164,5 +164,6 @@ def test_parallel_state_fallbacks_follow_initialize_and_destroy():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert utils.get_tensor_model_parallel_group_if_none(None, check_initialized=False) is None
-        with pytest.raises(AssertionError, match="tensor model parallel group is not initialized"):
-            utils.get_tensor_model_parallel_group_if_none(None)
+        # Before initialize_model_parallel there is no group to fall back to: None, as upstream
+        # (a TE linear built then runs on its rank alone), not the getters' AssertionError.
+        assert utils.get_tensor_model_parallel_group_if_none(None) is None

@@ -15,16 +15,13 @@ import torch
 from mcore_activations import te_import
 from mcore_activations.activation_spec import (
     ActivationSpec,
+    UnsupportedActivationError,
     fc1_weight_to_blocks,
     fc1_weight_to_halves,
 )
-from mcore_activations.te_import import (
-    TE_GROUPED_OPS_MIN_VERSION,
-    TE_OPS_MIN_VERSION,
-    require_te,
-)
-from mcore_activations.te_lowering import TEActivationLowering, plan_te_activation
-from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
+from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION, TE_OPS_MIN_VERSION
+from mcore_activations.te_lowering import TEActivationLowering, TEVersionError, plan_te_activation
+from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin, tensor_parallel_context
 from megatron.core.extensions.te_linears import (
     TEColumnParallelLinear,
     TELayerNormColumnParallelLinear,
@@ -32,6 +29,7 @@ from megatron.core.extensions.te_linears import (
     _is_empty,
 )
 from megatron.core.extensions.te_ops_adapters import _te_ops_userbuffers_options
+from megatron.core.extensions.te_public import require_te_min_version
 from megatron.core.extensions.te_recipes import (
     TEFusedRecipeError,
     check_fused_recipe_runs_here,
@@ -80,7 +78,7 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
         name: Optional[str] = None,
         pg_collection=None,
     ):
-        require_te(type(self).__name__, TE_OPS_MIN_VERSION)
+        require_te_min_version(type(self).__name__, TE_OPS_MIN_VERSION)
         super().__init__(
             config,
             submodules,
@@ -111,15 +109,17 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
 
     def _check_fused_linears(self) -> None:
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        # "FC1" / "FC2" as in upstream's messages, which callers match.
         if not isinstance(fc1, TELayerNormColumnParallelLinear | TEColumnParallelLinear):
             raise ValueError(
-                f"{type(self).__name__} needs linear_fc1 to be a TELayerNormColumnParallelLinear "
-                f"or TEColumnParallelLinear, got {type(fc1).__name__}."
+                f"{type(self).__name__} expects FC1 (linear_fc1) to be a "
+                "TELayerNormColumnParallelLinear or TEColumnParallelLinear, but found "
+                f"{type(fc1).__name__}."
             )
         if not isinstance(fc2, TERowParallelLinear):
             raise ValueError(
-                f"{type(self).__name__} needs linear_fc2 to be a TERowParallelLinear, got "
-                f"{type(fc2).__name__}."
+                f"{type(self).__name__} expects FC2 (linear_fc2) to be a TERowParallelLinear, but "
+                f"found {type(fc2).__name__}."
             )
         for linear in (fc1, fc2):
             _te_ops_userbuffers_options(linear)  # a configured overlap this TE cannot run
@@ -241,20 +241,31 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         *,
         glu_interleave_size: Optional[int] = None,
     ):
-        require_te(type(self).__name__, TE_GROUPED_OPS_MIN_VERSION)
+        cls_name = type(self).__name__
+        require_te_min_version(
+            cls_name,
+            TE_GROUPED_OPS_MIN_VERSION,
+            needs="pytorch.ops.GroupedLinear and its Scaled ops",
+        )
         if config.add_bias_linear:
             raise ValueError(
-                f"{type(self).__name__} does not support add_bias_linear=True: TE's grouped "
-                "fused ops here carry no biases."
+                f"{cls_name} does not support add_bias_linear=True: TE's grouped fused ops here "
+                "carry no biases."
             )
         if glu_interleave_size is not None and not config.gated_linear_unit:
-            raise ValueError(
-                f"{type(self).__name__}: glu_interleave_size applies to gated activations only."
-            )
+            raise ValueError(f"{cls_name}: glu_interleave_size applies to gated activations only.")
+        # Checked before the linears are allocated, as the rules above, and by this class itself:
+        # whatever the base initializer does, a configuration these ops cannot compute fails here.
+        self._plan_activation(
+            config,
+            ActivationSpec.from_config(config),
+            self._tensor_parallel_size_of(tp_group, pg_collection),
+            glu_interleave_size,
+        )
         # Resolved before the linears are allocated, so an unknown recipe fails fast; the
         # hardware is asked in _recipe(). Plain attributes may be set before nn.Module.__init__;
         # TEFusedMLP.__init__ reads them back.
-        self.fused_recipe_name = resolve_fused_recipe(config, path=type(self).__name__)
+        self.fused_recipe_name = resolve_fused_recipe(config, path=cls_name)
         self.glu_interleave_size = glu_interleave_size
         super().__init__(
             config,
@@ -273,14 +284,32 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
             self.register_state_dict_post_hook(fc1_weight_to_halves)
             self.register_load_state_dict_pre_hook(fc1_weight_to_blocks)
 
+    @staticmethod
+    def _tensor_parallel_size_of(tp_group, pg_collection) -> int:
+        # The group MLP.__init__ will take, before it exists: the one passed, else the global one.
+        group = tp_group if tp_group is not None else getattr(pg_collection, "tp", None)
+        return tensor_parallel_context(group)[0]
+
     def _setup_fused_activation(self) -> None:
-        spec = self._fused_activation_spec()
-        name = type(self).__name__
         tp_size, _ = self._get_te_ops_tensor_parallel_context()
+        self._plan_activation(
+            self.config, self._fused_activation_spec(), tp_size, self.glu_interleave_size
+        )
+
+    def _plan_activation(
+        self, config, spec: ActivationSpec, tp_size: int, glu_interleave_size
+    ) -> None:
+        """Lowers ``spec`` to the op this class runs at ``tp_size``, or refuses it.
+
+        Raises:
+            TEFusedRecipeError: A quantized recipe is named at tensor-parallel size > 1.
+            UnsupportedActivationError: The ops cannot compute ``spec``.
+        """
+        name = type(self).__name__
         if tp_size > 1:
             # TEFusedMLP's unscaled ops run instead (see forward), unquantized, as upstream's
             # class does. A recipe the config asks for by name would then silently not apply.
-            requested = getattr(self.config, "te_fused_recipe", None)
+            requested = getattr(config, "te_fused_recipe", None)
             if requested not in (None, "none"):
                 raise TEFusedRecipeError(
                     f"{name}: te_fused_recipe={requested!r} cannot apply at tensor-parallel "
@@ -292,15 +321,27 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
                 spec,
                 path=f"{name} (tensor-parallel, TEFusedMLP ops)",
                 scaled=False,
-                glu_interleave_size=self.glu_interleave_size,
-                cache_quantized_input=bool(self.config.activation_func_fp8_input_store),
+                glu_interleave_size=glu_interleave_size,
+                cache_quantized_input=bool(config.activation_func_fp8_input_store),
             )
             self._grouped_te_activation = None
-        else:
-            self._te_activation = None
-            self._grouped_te_activation = plan_te_activation(
-                spec, path=name, scaled=True, glu_interleave_size=self.glu_interleave_size
+            return
+        try:
+            grouped = plan_te_activation(
+                spec, path=name, scaled=True, glu_interleave_size=glu_interleave_size
             )
+        except TEVersionError:
+            raise
+        except UnsupportedActivationError as error:
+            # Upstream's class names SwiGLU as its requirement; this one computes more, says
+            # so, and keeps the lowering's reason.
+            raise type(error)(
+                f"{name} requires SwiGLU activation (activation_func=F.silu, "
+                "gated_linear_unit=True) or another activation its Scaled TE ops compute "
+                f"exactly. {error}"
+            ) from error
+        self._te_activation = None
+        self._grouped_te_activation = grouped
 
     def _check_interleave_divides_ffn(self, k: int) -> None:
         rows = self.linear_fc1.weight.size(0)  # local [gate; linear] rows

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from megatron.core.extensions import te_ops_adapters as adapters
 
-__all__ = ["TEFusedOpsMixin"]
+__all__ = ["TEFusedOpsMixin", "tensor_parallel_context"]
 
 
 def _is_ddp_hook(hook: Callable) -> bool:
@@ -24,6 +24,22 @@ def _is_ddp_hook(hook: Callable) -> bool:
     func = getattr(hook, "func", hook)  # functools.partial
     module = getattr(func, "__module__", "") or ""
     return "distributed" in module
+
+
+def tensor_parallel_context(group) -> tuple[int, Any]:
+    """``(tp_size, group or None)`` for ``group``, or for parallel_state's group when None.
+
+    parallel_state's size is asked through the public module, as upstream asks it, so a patch of
+    ``transformer_engine.get_tensor_model_parallel_world_size`` decides.
+    """
+    if group is not None:
+        return adapters._get_te_ops_tensor_parallel_context(group)
+    try:
+        return adapters._get_te_ops_tensor_parallel_context(None)
+    except AssertionError:
+        # parallel_state has no tensor-parallel group (a model built before or without
+        # initialize_model_parallel): the module runs on this rank alone.
+        return 1, None
 
 
 class TEFusedOpsMixin:
@@ -86,9 +102,9 @@ class TEFusedOpsMixin:
         ]
         if post_hooks:
             warnings.warn(
-                f"{type(self).__name__}: forward hooks of {sorted({n for n, _, _ in post_hooks})} "
-                "run after the fused forward, with no arguments and no output (the fused ops "
-                "bypass those submodules).",
+                f"{type(self).__name__}: the post-forward hooks of submodules "
+                f"{sorted({n for n, _, _ in post_hooks})} run after the fused forward, with no "
+                "arguments and no output (the fused ops bypass those submodules).",
                 stacklevel=3,
             )
         warned: set = set()
@@ -98,21 +114,24 @@ class TEFusedOpsMixin:
             # Read the hooks now, not at build time: DDP may install or remove them later.
             for name, module in descendants:
                 for hook_id, hook in list(module._forward_pre_hooks.items()):
+                    # Warned before the hook runs, so a hook that then fails is explained too.
+                    if not _is_ddp_hook(hook) and (name, hook_id) not in warned:
+                        warned.add((name, hook_id))
+                        warnings.warn(
+                            f"{owner}: replaying pre-forward hook {hook!r} of submodule {name!r} "
+                            "with empty arguments before the fused forward (the fused ops do not "
+                            "expose the submodule's input).",
+                            stacklevel=2,
+                        )
                     if hook_id in module._forward_pre_hooks_with_kwargs:
                         result = hook(module, (), {})
                     else:
                         result = hook(module, ())
                     if result is not None:
                         raise RuntimeError(
-                            f"{owner}: forward pre-hook {hook!r} of submodule {name!r} returned "
-                            "a value; the fused ops cannot pass modified inputs to a submodule."
-                        )
-                    if not _is_ddp_hook(hook) and (name, hook_id) not in warned:
-                        warned.add((name, hook_id))
-                        warnings.warn(
-                            f"{owner}: replaying forward pre-hook {hook!r} of submodule {name!r} "
-                            "with empty arguments before the fused forward.",
-                            stacklevel=2,
+                            f"{owner}: pre-forward hook {hook!r} of submodule {name!r} returned "
+                            "a value: it modifies input tensors, which the fused ops cannot pass "
+                            "to a submodule."
                         )
 
         def replay_post_hooks(_fused, _args, _output):
@@ -128,16 +147,12 @@ class TEFusedOpsMixin:
     # -- op builders (te_ops_adapters), under the names the fused classes call ---------------
 
     def _get_te_ops_tensor_parallel_context(self) -> tuple[int, Any]:
-        """``(tp_size, tp_group or None)`` of this module (its own group, else fc1's).
-
-        A module that holds no group was built outside a distributed job and runs on one rank.
-        """
+        """``(tp_size, tp_group or None)`` of this module: its own group, else fc1's, else
+        parallel_state's tensor-parallel size."""
         group = getattr(self, "tp_group", None)
         if group is None:
             group = getattr(getattr(self, "linear_fc1", None), "tp_group", None)
-        if group is None:
-            return 1, None
-        return adapters._get_te_ops_tensor_parallel_context(group)
+        return tensor_parallel_context(group)
 
     _get_te_ops_rng_state_tracker_function = staticmethod(
         adapters._get_te_ops_rng_state_tracker_function

@@ -9,6 +9,7 @@ the import seam (``mcore_activations.te_import``).
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Optional
 
@@ -16,10 +17,8 @@ import torch
 
 from mcore_activations import te_import
 from mcore_activations.te_import import require_te
-from megatron.core.tensor_parallel.random import (
-    get_cuda_rng_tracker,
-    get_expert_parallel_rng_tracker_name,
-)
+from megatron.core.extensions.te_public import public, require_te_min_version
+from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
 from megatron.core.utils import get_pg_size, get_tensor_model_parallel_group_if_none
 
 __all__ = [
@@ -60,8 +59,42 @@ def _is_empty(tensor: Optional[torch.Tensor]) -> bool:
 
 def _rng_tracker_function() -> Optional[Callable]:
     # TE forks the tracker while initializing weights; an unseeded tracker would raise there.
-    tracker = get_cuda_rng_tracker()
-    return get_cuda_rng_tracker if tracker.is_initialized() else None
+    get_tracker = public("get_cuda_rng_tracker")
+    return get_tracker if get_tracker().is_initialized() else None
+
+
+# ``weight`` / ``bias`` and TE's per-GEMM ``weight0``, ``bias12``...; not ``weight_scale``.
+_PARTITIONABLE_PARAMETER = re.compile(r"(weight|bias)\d*")
+
+
+def _set_expert_parameter_attributes(
+    module: torch.nn.Module, parallel_mode: Optional[str], use_expert_pgs: bool
+) -> None:
+    """Marks ``module``'s own parameters with the process-group metadata of an expert layer.
+
+    Every parameter gets ``allreduce = not use_expert_pgs`` (False: reduced over the expert
+    data-parallel group, as the distributed optimizer reads it). Weights and biases (also TE's
+    numbered per-GEMM ones) get ``tensor_model_parallel``: True for weights under ``"column"`` /
+    ``"row"`` and for column-parallel biases (a row-parallel bias is replicated); partitioned
+    ones also get ``partition_dim`` (0 column, 1 row) and ``partition_stride`` 1. TE leaves
+    these as for an unsplit layer when Megatron does the expert communication itself.
+
+    Args:
+        module: The TE module; only its direct parameters are marked.
+        parallel_mode: ``"column"``, ``"row"`` or None (not split).
+        use_expert_pgs: The parameters belong to the expert process groups.
+    """
+    for name, param in module.named_parameters(recurse=False):
+        param.allreduce = not use_expert_pgs
+        match = _PARTITIONABLE_PARAMETER.fullmatch(name)
+        if match is None:
+            continue
+        is_weight = match.group(1) == "weight"
+        split = parallel_mode in ("column", "row") and (is_weight or parallel_mode == "column")
+        param.tensor_model_parallel = split
+        if split:
+            param.partition_dim = 0 if parallel_mode == "column" else 1
+            param.partition_stride = 1
 
 
 def _te_common_kwargs(
@@ -426,7 +459,7 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
         pg_collection=None,
         name: Optional[str] = None,
     ):
-        require_te(type(self).__name__, "1.9.0.dev0")
+        require_te_min_version(type(self).__name__, "1.9.0.dev0")
         if not is_expert:
             raise ValueError("TEGroupedLinear only serves MoE experts: pass is_expert=True.")
         self.config = config
@@ -436,6 +469,11 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
         tp_size = get_pg_size(tp_group)
         ep_size = getattr(config, "expert_model_parallel_size", 1) or 1
         self.explicit_expert_comm = tp_size > 1 or ep_size > 1
+        original_parallel_mode = parallel_mode
+        expert_tp = getattr(config, "expert_tensor_parallel_size", None)
+        use_expert_pgs = ep_size > 1 or (
+            expert_tp is not None and expert_tp != getattr(config, "tensor_model_parallel_size", 1)
+        )
         if self.explicit_expert_comm:
             if parallel_mode == "column":
                 output_size //= tp_size
@@ -463,6 +501,9 @@ class TEGroupedLinear(_TEForwardReturnsBias, _te_base("GroupedLinear")):
             parallel_mode=parallel_mode,
             **kwargs,
         )
+        # TE was told "not split" above when Megatron communicates; the parameters must still
+        # say how they are split, for checkpoint resharding and the gradient norm.
+        _set_expert_parameter_attributes(self, original_parallel_mode, use_expert_pgs)
         self.register_load_state_dict_pre_hook(type(self)._normalize_grouped_parameter_keys)
 
     def _normalize_grouped_parameter_keys(

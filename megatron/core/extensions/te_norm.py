@@ -18,6 +18,7 @@ from mcore_activations.te_import import TE_OPS_MIN_VERSION, require_te
 from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
 from megatron.core.extensions.te_linears import _te_base
 from megatron.core.extensions.te_ops_adapters import _make_te_ops_rmsnorm_from_te_rmsnorm
+from megatron.core.extensions.te_public import require_te_min_version
 
 __all__ = ["TEFusedResidualRMSNorm", "TENorm"]
 
@@ -51,7 +52,7 @@ class TEFusedResidualRMSNorm(TEFusedOpsMixin, _te_base("RMSNorm")):
     """
 
     def __init__(self, *args, **kwargs):
-        require_te(type(self).__name__, TE_OPS_MIN_VERSION)
+        require_te_min_version(type(self).__name__, TE_OPS_MIN_VERSION)
         super().__init__(*args, **kwargs)
 
     def _make_fused_impl(self):

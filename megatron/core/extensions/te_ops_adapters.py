@@ -23,10 +23,8 @@ import torch
 
 from mcore_activations import te_import
 from megatron.core.extensions.te_linears import _is_empty, _rng_tracker_function
-from megatron.core.parallel_state import (
-    get_tensor_model_parallel_group,
-    get_tensor_model_parallel_world_size,
-)
+from megatron.core.extensions.te_public import public
+from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.utils import get_pg_size
 
 __all__: list = []  # private helpers; transformer_engine.py re-exports them under these names
@@ -87,8 +85,9 @@ def _get_te_ops_tensor_parallel_context(
             (upstream's only behaviour).
     """
     if tp_group is None:
-        size = get_tensor_model_parallel_world_size()
-        return size, (get_tensor_model_parallel_group() if size > 1 else None)
+        size = public("get_tensor_model_parallel_world_size")()
+        group = get_tensor_model_parallel_group(check_initialized=False) if size > 1 else None
+        return size, group
     size = get_pg_size(tp_group)
     return size, (tp_group if size > 1 else None)
 
@@ -147,8 +146,8 @@ def _make_te_ops_norm_from_mcore_te_layernorm_linear(module: Any, module_name: s
         op = ops.RMSNorm(features, **kwargs)
     else:
         raise ValueError(
-            f"{module_name}: normalization {module.normalization!r} has no TE op; "
-            "use 'LayerNorm' or 'RMSNorm'."
+            f"{module_name}: Unsupported normalization ({module.normalization}); TE's ops have "
+            "'LayerNorm' and 'RMSNorm'."
         )
     op.weight = norm_weight
     return op

@@ -19,6 +19,11 @@ Where each job lives (docs/te-paths.md):
   alias a module's parameters (``_make_te_ops_basic_linear_from_mcore_te_linear``, ...).
 - ``te_fused_ops``: ``TEFusedOpsMixin``, the lifecycle of every fused class.
 - ``te_fused_mlp``: ``TEFusedMLP`` and ``TEFusedMLPWithGroupedLinear``.
+- ``te_gemm``: ``te_general_gemm`` (None where TE has no ``general_gemm``).
+
+Patching this module reaches the classes, as upstream: ``is_te_min_version``,
+``get_tensor_model_parallel_world_size`` and ``get_cuda_rng_tracker`` are bound here and the
+``te_*`` modules call them through this module at each call (``te_public`` says why).
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ from mcore_activations.te_lowering import (  # noqa: F401 - upstream names re-ex
 )
 from megatron.core.extensions.te_fused_mlp import TEFusedMLP, TEFusedMLPWithGroupedLinear
 from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
-from megatron.core.extensions.te_linears import (
+from megatron.core.extensions.te_gemm import te_general_gemm_or_none
+from megatron.core.extensions.te_linears import (  # noqa: F401 - upstream names re-exported here
     TEColumnParallelGroupedLinear,
     TEColumnParallelLinear,
     TEGroupedLinear,
@@ -56,6 +62,7 @@ from megatron.core.extensions.te_linears import (
     TELinear,
     TERowParallelGroupedLinear,
     TERowParallelLinear,
+    _set_expert_parameter_attributes,
     set_save_original_input,
 )
 from megatron.core.extensions.te_norm import TEFusedResidualRMSNorm, TENorm
@@ -80,6 +87,15 @@ from megatron.core.extensions.te_recipes import (
     resolve_fused_recipe,
 )
 from megatron.core.extensions.te_rng import TECudaRNGStatesTracker
+
+# The names te_public.PATCHABLE_NAMES lists, bound here as in upstream's module: the te_* modules
+# call them through this module, so a patch here reaches every TE class.
+from megatron.core.parallel_state import get_tensor_model_parallel_world_size  # noqa: F401
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: F401
+from megatron.core.utils import get_te_version, is_te_min_version  # noqa: F401
+
+# Upstream's name is None where TE has no general_gemm; decided once, at import, as upstream.
+te_general_gemm = te_general_gemm_or_none()
 
 __all__ = [
     "HAVE_TE",  # noqa: F822 - resolved by __getattr__, from the seam
@@ -108,6 +124,7 @@ __all__ = [
     "plan_te_activation",
     "resolve_fused_recipe",
     "set_save_original_input",
+    "te_general_gemm",
 ]
 
 

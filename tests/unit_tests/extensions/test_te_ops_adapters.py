@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import megatron.core.extensions.te_linears as te_linears
 import megatron.core.extensions.te_ops_adapters as adapters
 import megatron.core.extensions.transformer_engine as te_ext
 from megatron.core.extensions.te_fused_ops import TEFusedOpsMixin
@@ -265,7 +264,7 @@ def test_norm_from_a_layernorm_linear_aliases_its_norm_parameters(fake_te, norma
 def test_norm_from_a_layernorm_linear_refuses(fake_te):
     linear = LayerNormLinear()
     linear.normalization = "ScaleNorm"
-    with pytest.raises(ValueError, match="linear_fc1: normalization 'ScaleNorm'"):
+    with pytest.raises(ValueError, match=r"linear_fc1: Unsupported normalization \(ScaleNorm\)"):
         adapters._make_te_ops_norm_from_mcore_te_layernorm_linear(linear, "linear_fc1")
     with pytest.raises(ValueError, match="linear_fc1.*MegatronLinear lacks eps, layer_norm_bias"):
         adapters._make_te_ops_norm_from_mcore_te_layernorm_linear(MegatronLinear(), "linear_fc1")
@@ -317,11 +316,14 @@ def test_tensor_parallel_context(monkeypatch):
     assert te_ext._get_te_ops_tensor_parallel_context(group) == (2, group)
     single = object()  # a one-rank group: TE ops get no group
     assert te_ext._get_te_ops_tensor_parallel_context(single) == (1, None)
-    # Without an argument: parallel_state's global group, as upstream.
-    monkeypatch.setattr(adapters, "get_tensor_model_parallel_world_size", lambda: 4)
-    monkeypatch.setattr(adapters, "get_tensor_model_parallel_group", lambda: group)
+    # Without an argument: parallel_state's global group, as upstream; its size is read through
+    # the public module, where upstream's tests patch it.
+    monkeypatch.setattr(te_ext, "get_tensor_model_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(
+        adapters, "get_tensor_model_parallel_group", lambda check_initialized=True: group
+    )
     assert te_ext._get_te_ops_tensor_parallel_context() == (4, group)
-    monkeypatch.setattr(adapters, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(te_ext, "get_tensor_model_parallel_world_size", lambda: 1)
     assert te_ext._get_te_ops_tensor_parallel_context() == (1, None)
 
 
@@ -332,6 +334,6 @@ def test_rng_tracker_function_only_once_the_tracker_is_seeded(monkeypatch, initi
     def getter():
         return tracker
 
-    monkeypatch.setattr(te_linears, "get_cuda_rng_tracker", getter)
+    monkeypatch.setattr(te_ext, "get_cuda_rng_tracker", getter)
     expected = getter if initialized else None
     assert te_ext._get_te_ops_rng_state_tracker_function() is expected

@@ -273,10 +273,12 @@ def test_te_fused_mlp_requires_te_linears(fake_te):
 
     config = make_config("swiglu")
     local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    with pytest.raises(ValueError, match="linear_fc1 to be a TELayerNormColumnParallelLinear"):
+    with pytest.raises(
+        ValueError, match=r"FC1 \(linear_fc1\) to be a TELayerNormColumnParallelLinear"
+    ):
         build(te_ext.TEFusedMLP, config, local)
     te_fc1 = MLPSubmodules(linear_fc1=CpuLayerNormLinear, linear_fc2=RowParallelLinear)
-    with pytest.raises(ValueError, match="linear_fc2 to be a TERowParallelLinear"):
+    with pytest.raises(ValueError, match=r"FC2 \(linear_fc2\) to be a TERowParallelLinear"):
         build(te_ext.TEFusedMLP, config, te_fc1)
 
 
@@ -363,7 +365,7 @@ def test_forward_pre_hooks_of_submodules_are_replayed(fake_te):
     fused = build(te_ext.TEFusedMLP, make_config("swiglu"))
     calls = []
     fused.linear_fc1.register_forward_pre_hook(lambda m, args: calls.append(args))
-    with pytest.warns(UserWarning, match="replaying forward pre-hook"):
+    with pytest.warns(UserWarning, match="replaying pre-forward hook"):
         fused(torch.randn(2, HIDDEN, dtype=DTYPE))
     fused(torch.randn(2, HIDDEN, dtype=DTYPE))
     assert calls == [(), ()]
@@ -564,7 +566,7 @@ def test_grouped_replays_pre_hooks_before_the_norm(fake_te, unquantized):
     fused = build(GROUPED, make_config("swiglu"))
     calls = []
     fused.linear_fc1.register_forward_pre_hook(lambda m, args: calls.append("fc1 pre-hook"))
-    with pytest.warns(UserWarning, match="replaying forward pre-hook"):
+    with pytest.warns(UserWarning, match="replaying pre-forward hook"):
         fused(torch.randn(2, HIDDEN, dtype=DTYPE))
     fused._norm_seq[0].register_forward_hook(lambda *args: calls.append("norm"))
     fused(torch.randn(2, HIDDEN, dtype=DTYPE))
