@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from megatron.core import utils as _utils
@@ -31,6 +33,63 @@ class MegatronModule(torch.nn.Module):
             keep_vars: Keep tensors attached to autograd instead of detaching them.
         """
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def refresh_cache(self) -> None:
+        """Recomputes state derived from parameters after they were changed in place (a weight
+        refit that bypasses loading and train/eval). Nothing is cached here; modules that cache
+        override it."""
+
+    def set_is_first_microbatch(self) -> None:
+        """Sets ``is_first_microbatch = True`` on every submodule that has the flag (TE modules),
+        so that they refresh their quantized weight caches in the next forward.
+
+        Only under quantized execution: ``config.fp8`` or ``config.fp4`` set, ``use_kitchen``, or
+        a ``quant_recipe``. Without one TE keeps no such cache and the flag is left alone (it
+        would only change TE's gradient accumulation). The flagged submodules are found once,
+        on the first call, and remembered in ``modules_with_is_first_microbatch``.
+        """
+        config = self.config
+        quantized = (
+            getattr(config, "fp8", None) is not None
+            or getattr(config, "fp4", None) is not None
+            or bool(getattr(config, "use_kitchen", False))
+            or getattr(config, "quant_recipe", None) is not None
+        )
+        if not quantized:
+            return
+        if not hasattr(self, "modules_with_is_first_microbatch"):
+            self.modules_with_is_first_microbatch = [
+                module for module in self.modules() if hasattr(module, "is_first_microbatch")
+            ]
+        for module in self.modules_with_is_first_microbatch:
+            module.is_first_microbatch = True
+
+    def set_symmetric_ar(self, set_to: Optional[str] = None) -> None:
+        """Sets ``_symmetric_ar_cache = set_to`` on every submodule that has a
+        ``symmetric_ar_type`` (the all-reduce algorithm its next all-reduce uses).
+
+        The submodules are found once, on the first call, and remembered in this module's
+        ``_symmetric_ar_cache`` list.
+
+        Args:
+            set_to: ``"two_shot"``, ``"one_shot"``, ``"multimem_all_reduce"`` or None (off).
+
+        Raises:
+            AssertionError: ``set_to`` is none of those (upstream's error type).
+        """
+        assert set_to in SYMMETRIC_AR_TYPES, (
+            f"set_symmetric_ar: {set_to!r} is not one of {SYMMETRIC_AR_TYPES}"
+        )
+        if not hasattr(self, "_symmetric_ar_cache"):
+            self._symmetric_ar_cache = [
+                module for module in self.modules() if hasattr(module, "symmetric_ar_type")
+            ]
+        for module in self._symmetric_ar_cache:
+            module._symmetric_ar_cache = set_to
+
+
+# The all-reduce algorithms a module's symmetric_ar_type may name (None: off).
+SYMMETRIC_AR_TYPES = ("two_shot", "one_shot", "multimem_all_reduce", None)
 
 
 # ----------------------------------------------------------------------------- mixed precision

@@ -62,3 +62,55 @@ def test_float16_module_runs_in_half_and_returns_fp32(flag, dtype):
 def test_float16_module_needs_a_half_precision_flag():
     with pytest.raises(ValueError, match="config.fp16 or config.bf16"):
         Float16Module(ModelParallelConfig(), _Net(ModelParallelConfig()))
+
+
+def _config_with(**fields):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True
+    )
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return config
+
+
+def _module_with_flagged_child(config):
+    from megatron.core.transformer.module import MegatronModule
+
+    module = MegatronModule(config)
+    module.flagged = torch.nn.Module()
+    module.flagged.is_first_microbatch = False
+    module.plain = torch.nn.Linear(1, 1)
+    return module
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"fp8": "hybrid"}, {"fp4": "nvfp4"}, {"use_kitchen": True}, {"quant_recipe": object()}],
+)
+def test_set_is_first_microbatch_flags_te_modules_under_quantization(fields):
+    module = _module_with_flagged_child(_config_with(**fields))
+    module.set_is_first_microbatch()
+    assert module.flagged.is_first_microbatch is True
+    assert module.modules_with_is_first_microbatch == [module.flagged]
+    module.flagged.is_first_microbatch = False  # a forward clears it; the next call sets it again
+    module.set_is_first_microbatch()
+    assert module.flagged.is_first_microbatch is True
+
+
+def test_set_is_first_microbatch_leaves_the_flag_without_quantization():
+    module = _module_with_flagged_child(_config_with())
+    module.set_is_first_microbatch()
+    assert module.flagged.is_first_microbatch is False
+
+
+def test_set_symmetric_ar_sets_every_module_that_has_the_option():
+    module = _module_with_flagged_child(_config_with())
+    module.plain.symmetric_ar_type = "two_shot"
+    module.set_symmetric_ar("one_shot")
+    assert module.plain._symmetric_ar_cache == "one_shot"
+    module.set_symmetric_ar(None)
+    assert module.plain._symmetric_ar_cache is None
+    with pytest.raises(AssertionError):
+        module.set_symmetric_ar("three_shot")
