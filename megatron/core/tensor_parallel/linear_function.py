@@ -22,6 +22,29 @@ from megatron.core.utils import (
 )
 
 
+def _linear_output(input, weight, bias, output_dtype):
+    """``input @ weight.T + bias`` written in ``output_dtype`` (None: the input's).
+
+    A wider output than the operands (bf16 in, float32 out) is accumulated and written in that
+    dtype, never rounded to the operands' dtype first: through Transformer Engine's
+    ``general_gemm`` on CUDA where TE has it (as upstream), else by one matmul of the operands
+    widened to ``output_dtype`` (exact: a bf16 or fp16 value is a float32 value).
+    """
+    if output_dtype is None or output_dtype == input.dtype:
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+    # Deferred: the TE extension imports the tensor-parallel layers.
+    from megatron.core.extensions.te_gemm import te_general_gemm_or_none
+
+    gemm = te_general_gemm_or_none()
+    if gemm is not None and input.is_cuda:
+        rows = input.reshape(-1, input.shape[-1])
+        output = gemm(weight, rows, out_dtype=output_dtype, layout="TN", bias=bias)[0]
+        return output.reshape(*input.shape[:-1], output.shape[-1])
+    output = torch.matmul(input.to(output_dtype), weight.to(output_dtype).t())
+    return output + bias.to(output_dtype) if bias is not None else output
+
+
 # ------------------------------------------------------------------- the linear as a function
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """``input @ weight.T + bias`` with the tensor-parallel communication of its backward.
@@ -45,8 +68,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_output_buffer,
         wgrad_deferral_limit,
         tp_group,
+        output_dtype=None,
     ):
-        """Runs the (gathered) input through the linear."""
+        """Runs the (gathered) input through the linear, written in ``output_dtype``."""
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
         ctx.options = (
@@ -58,14 +82,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             tp_group,
         )
         total_input = _gather_along_first_dim(input, tp_group) if sequence_parallel else input
-        output = torch.matmul(total_input, weight.t())
-        return output + bias if bias is not None else output
+        return _linear_output(total_input, weight, bias, output_dtype)
 
     @staticmethod
     def backward(ctx, grad_output):
         """Input gradient (reduced across the group), weight and bias gradients."""
         input, weight = ctx.saved_tensors
         fusion, allreduce_dgrad, sequence_parallel, buffer, limit, tp_group = ctx.options
+        # A wider output's gradient comes back in its dtype; the gradients are the operands'.
+        grad_output = grad_output.to(input.dtype)
         grad_input = grad_output.matmul(weight)
         if sequence_parallel:
             grad_input = _reduce_scatter_along_first_dim(grad_input, tp_group)
@@ -96,7 +121,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_bias = (
             grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
         )
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -127,7 +152,8 @@ def linear_with_grad_accumulation_and_async_allreduce(
         wgrad_deferral_limit: Defer at most this many (0: no limit).
         tp_group: The tensor-parallel group; the global one when None.
         gtp_remat_size: Must be 1 (weight rematerialization is not implemented).
-        output_dtype: Cast the output to this dtype.
+        output_dtype: The output's dtype (None: the input's). A wider one is accumulated in it,
+            through Transformer Engine's ``general_gemm`` on CUDA (``te_general_gemm``).
 
     Raises:
         ValueError: ``allreduce_dgrad`` together with ``sequence_parallel``, or
@@ -154,8 +180,9 @@ def linear_with_grad_accumulation_and_async_allreduce(
         grad_output_buffer,
         wgrad_deferral_limit,
         tp_group,
+        output_dtype,
     )
-    return output.to(output_dtype) if output_dtype is not None else output
+    return output
 
 
 class LinearWithFrozenWeight(torch.autograd.Function):
@@ -173,10 +200,7 @@ class LinearWithFrozenWeight(torch.autograd.Function):
         ctx.allreduce_dgrad = allreduce_dgrad
         ctx.tp_group = tp_group
         ctx.input_dtype = input.dtype
-        output = torch.matmul(input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output if output_dtype is None else output.to(output_dtype)
+        return _linear_output(input, weight, bias, output_dtype)
 
     @staticmethod
     def backward(ctx, grad_output):

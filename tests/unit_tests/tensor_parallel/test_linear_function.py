@@ -100,3 +100,30 @@ def test_linear_function_argument_errors(single_rank_model_parallel):
     out = linear_with_grad_accumulation_and_async_allreduce(x, wm, None, True, False, False)
     with pytest.raises(RuntimeError, match="weight.main_grad"):
         out.sum().backward()
+
+
+def test_a_wider_output_dtype_is_accumulated_in_it_not_rounded_first():
+    # 512 products of integers up to 8 in size: every partial sum is an exact float32 integer,
+    # but most are not bf16 values. A bf16 matmul cast to float32 afterwards loses them.
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_frozen_weight,
+        linear_with_grad_accumulation_and_async_allreduce,
+    )
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(-8, 9, (3, 512), generator=generator).to(torch.bfloat16).requires_grad_()
+    weight = torch.randint(-8, 9, (4, 512), generator=generator).to(torch.bfloat16)
+    exact = x.detach().double() @ weight.double().t()
+    out = linear_with_grad_accumulation_and_async_allreduce(
+        x, weight.requires_grad_(), None, False, False, False, tp_group=None,
+        output_dtype=torch.float32,
+    )  # fmt: skip
+    assert out.dtype == torch.float32
+    assert torch.equal(out.double(), exact)
+    out.sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad.double(), weight.detach().double().sum(0).expand(3, -1))
+    frozen = linear_with_frozen_weight(
+        x.detach(), weight.detach(), None, False, False, False, None, output_dtype=torch.float32
+    )
+    assert frozen.dtype == torch.float32 and torch.equal(frozen.double(), exact)
