@@ -1,11 +1,62 @@
 """Fingerprints of the upstream megatron-core objects that ``megatron_patch`` replaces or checks.
 
 Each value is the first 16 hex digits of the SHA-256 of the object's source text (as
-:func:`mcore_activations.megatron_patch.source_fingerprint` computes it from the module file, so
-classes that upstream defines only when Transformer Engine imports are fingerprinted without TE).
+:func:`mcore_activations.upstream_patch.upstream.source_fingerprint` computes it from the module
+file, so classes that upstream defines only when Transformer Engine imports are fingerprinted
+without TE).
 A target whose fingerprint differs is not the code the patch was written against, and the patch
 refuses to run. Regenerate with ``python tools/fingerprint_upstream.py PATH/TO/megatron/core``.
+
+Beside them, :data:`CAPABILITIES` records, per version, what that upstream's own code does where
+the patch must act differently; the patch's logic reads these facts, never a version number.
 """
+
+from __future__ import annotations
+
+import dataclasses
+
+# The release a user installs from the package index (named in the patch's error messages).
+RELEASE = "0.19.2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What one known upstream's own code does, where the patch must act differently.
+
+    Attributes:
+        te_activation_op_method: ``TEFusedMLP`` builds its activation op in its method
+            ``_make_activation_op``; otherwise in the module-level ``_make_te_ops_activation``,
+            which takes no layer (the patch hands the layer over while ``_make_fused_impl`` runs).
+        grouped_ops_clamped_swiglu: ``TEGroupedMLP``'s op-fuser builder passes a SwiGLU clamp
+            to Transformer Engine (a clamped quick-GEGLU op with ``alpha=1`` and no offset).
+        shared_expert_ops_clamped_swiglu: ``FusedSharedExpertMLP`` builds a clamped SwiGLU op
+            for a clamped config, besides plain SwiGLU.
+        grouped_fused_swiglu_drops_clamp: ``TEGroupedMLP``'s fused-bias branch calls
+            ``weighted_bias_swiglu_impl`` without the clamp; the patch hands the running layer's
+            spec to that call.
+    """
+
+    te_activation_op_method: bool
+    grouped_ops_clamped_swiglu: bool
+    shared_expert_ops_clamped_swiglu: bool
+    grouped_fused_swiglu_drops_clamp: bool
+
+
+CAPABILITIES = {
+    "0.19.2": Capabilities(
+        te_activation_op_method=True,
+        grouped_ops_clamped_swiglu=False,
+        shared_expert_ops_clamped_swiglu=False,
+        grouped_fused_swiglu_drops_clamp=True,
+    ),
+    "0.20.0": Capabilities(
+        te_activation_op_method=False,
+        grouped_ops_clamped_swiglu=True,
+        shared_expert_ops_clamped_swiglu=True,
+        grouped_fused_swiglu_drops_clamp=False,
+    ),
+}
+
 
 # fmt: off
 KNOWN_UPSTREAMS = {'0.19.2': {'label': 'release 0.19.2',

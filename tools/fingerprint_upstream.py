@@ -17,10 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcore_activations.megatron_patch import (  # noqa: E402
-    FUSION_MODULES,
+from mcore_activations.upstream_patch.entry_points import FUSION_MODULES, fusion_names  # noqa: E402
+from mcore_activations.upstream_patch.upstream import (  # noqa: E402
     METHOD_TARGETS,
-    fusion_names,
     source_fingerprint,
 )
 

@@ -183,6 +183,7 @@ def test_release_grouped_experts_fused_swiglu_computes_the_running_layers_clamp(
         import megatron.core.transformer.moe.experts as experts
         from mcore_activations import megatron_patch as mp
         from mcore_activations.activation_spec import ActivationSpec, ActivationKind
+        from mcore_activations.upstream_patch.grouped_experts import RUNNING_GROUPED_MLP
 
         forward = experts.TEGroupedMLP.forward
         report = mp.patch_megatron_core()
@@ -190,11 +191,11 @@ def test_release_grouped_experts_fused_swiglu_computes_the_running_layers_clamp(
         layer = types.SimpleNamespace(activation_spec=spec)
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0)) * 3
         probs = torch.rand(16, 1, generator=torch.Generator().manual_seed(1))
-        token = mp._RUNNING_GROUPED_MLP.set(layer)
+        token = RUNNING_GROUPED_MLP.set(layer)
         try:
             inside = experts.weighted_bias_swiglu_impl(x, None, probs, False)
         finally:
-            mp._RUNNING_GROUPED_MLP.reset(token)
+            RUNNING_GROUPED_MLP.reset(token)
         outside = experts.weighted_bias_swiglu_impl(x, None, probs, False)
         expected = spec.reference(x.double()) * probs.double()
         plain = ActivationSpec(ActivationKind.SILU, gated=True).reference(x.double()) * probs

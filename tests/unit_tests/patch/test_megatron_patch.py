@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mcore_activations import megatron_patch as mp
-from mcore_activations.upstream_fingerprints import KNOWN_UPSTREAMS
+from mcore_activations.upstream_fingerprints import CAPABILITIES, KNOWN_UPSTREAMS
+from mcore_activations.upstream_patch.upstream import MLP_MODULE, SHARED_MODULE, TE_MODULE
 
 REPO = Path(__file__).resolve().parents[3]
 ARCHIVES = sorted((REPO.parent / "shared" / "upstream").glob("megatron-lm-main-*.tar.gz"))
@@ -77,12 +79,43 @@ def test_known_upstreams_cover_every_target_they_define():
     for key, known in KNOWN_UPSTREAMS.items():
         targets = known["targets"]
         assert known["label"]
-        assert f"{mp._MLP}:MLP.forward" in targets, key
-        assert f"{mp._SHARED}:SharedExpertMLP.linear_fc1_forward_and_act" in targets, key
+        assert f"{MLP_MODULE}:MLP.forward" in targets, key
+        assert f"{SHARED_MODULE}:SharedExpertMLP.linear_fc1_forward_and_act" in targets, key
         assert all(len(v) == 16 for v in targets.values())
     # 0.19.2 builds TEFusedMLP's activation in a method; main in a module-level function.
-    assert f"{mp._TE}:TEFusedMLP._make_activation_op" in KNOWN_UPSTREAMS["0.19.2"]["targets"]
-    assert f"{mp._TE}:_make_te_ops_activation" in KNOWN_UPSTREAMS["0.20.0"]["targets"]
+    assert f"{TE_MODULE}:TEFusedMLP._make_activation_op" in KNOWN_UPSTREAMS["0.19.2"]["targets"]
+    assert f"{TE_MODULE}:_make_te_ops_activation" in KNOWN_UPSTREAMS["0.20.0"]["targets"]
+
+
+def test_every_known_upstream_has_its_capabilities():
+    assert set(CAPABILITIES) == set(KNOWN_UPSTREAMS)
+    # Which method builds TEFusedMLP's activation op is also what the fingerprints record.
+    for key, capabilities in CAPABILITIES.items():
+        targets = KNOWN_UPSTREAMS[key]["targets"]
+        in_method = f"{TE_MODULE}:TEFusedMLP._make_activation_op" in targets
+        assert capabilities.te_activation_op_method == in_method, key
+        assert (f"{TE_MODULE}:_make_te_ops_activation" in targets) != in_method, key
+
+
+def test_patch_logic_names_no_upstream_version():
+    """What differs between upstream versions is data beside the fingerprints, not code."""
+    package = Path(mp.__file__).parent
+    for path in [Path(mp.__file__), *sorted((package / "upstream_patch").glob("*.py"))]:
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        }
+        strings = [
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in docstrings
+        ]
+        for key in KNOWN_UPSTREAMS:
+            assert not [s for s in strings if key in s], (path.name, key)
 
 
 @pytest.mark.skipif(not ARCHIVES, reason="the upstream main archive of ../shared/upstream")
