@@ -29,6 +29,7 @@ from mcore_activations.activation_spec import (
     deinterleave_glu,
     unfused_activation,
 )
+from mcore_activations.fusions import in_place
 from mcore_activations.fusions.fused_activation import fused_activation, lower_to_fused_kernel
 
 TE_MODULE_PATH = "te_module"
@@ -58,6 +59,8 @@ def select_activation_path(
 
     Raises:
         UnsupportedActivationError: The selected path cannot compute ``spec``.
+        ValueError: The fused path with the in-place backward on
+            (``mcore_activations.fusions.in_place``) and a config under which it is unsafe.
     """
     if getattr(config, "use_te_activation_func", False) and has_te_activation_builder:
         if not spec.is_plain:
@@ -73,6 +76,8 @@ def select_activation_path(
     if config.bias_activation_fusion:
         # Lowering now, not at the first forward, makes an unsupported config fail at build.
         lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
+        if in_place.in_place_backward_enabled():
+            in_place.check_config(config, owner)
         return FUSED_KERNEL_PATH
     return UNFUSED_PATH
 
@@ -114,6 +119,8 @@ def select_layer_activation(
     path = select_activation_path(config, spec, te_module_factory is not None, owner)
     if path == UNFUSED_PATH and fused_kernel_opt_in:
         lower_to_fused_kernel(spec, owner)
+        if in_place.in_place_backward_enabled():
+            in_place.check_config(config, owner)
         path = FUSED_KERNEL_PATH
     func = te_module_factory() if path == TE_MODULE_PATH else config.activation_func
     return LayerActivation(
@@ -158,6 +165,7 @@ def activate(
     activation_func: Callable,
     fp8_input_store: bool = False,
     cpu_offload_input: bool = False,
+    in_place_backward: Optional[bool] = None,
 ) -> torch.Tensor:
     """The activation of fc1's output ``x`` (and fc1's unadded ``bias``) on ``path``.
 
@@ -170,6 +178,9 @@ def activate(
         activation_func: The TE module on ``TE_MODULE_PATH``, else the configured callable.
         fp8_input_store: Keep the fused kernels' saved input in FP8 (a memory saving).
         cpu_offload_input: Tag the fused kernels' saved input for TE's CPU offloading.
+        in_place_backward: The fused kernels' backward writes the input gradient over ``x``;
+            None: the process default (``mcore_activations.fusions.in_place``). The other
+            paths ignore it.
 
     Returns:
         The activation in ``x.dtype``, with each row multiplied by ``probs``.
@@ -182,6 +193,7 @@ def activate(
             probs=probs,
             fp8_input_store=fp8_input_store,
             cpu_offload_input=cpu_offload_input,
+            in_place_backward=in_place_backward,
         )
     if bias is not None:
         x = x + bias
