@@ -1,7 +1,7 @@
 """Upstream's activation callables, used as ``TransformerConfig.activation_func`` values.
 
 The bottom rung of the activation ladder (docs/activations.md): it imports nothing of the package
-but the ``jit_fuser`` decorator and the compile-boundary leaf ``fusions.kernel_params``.
+but the ``jit_fuser`` decorator and the compile-boundary leaf ``kernel_params``.
 ``ActivationSpec`` classifies an ``activation_func`` by identity (``squared_relu`` is squared
 ReLU, ``fast_gelu`` the tanh GELU, ``quick_gelu`` quick-GELU), so these objects must stay the
 ones a config holds.
@@ -18,12 +18,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mcore_activations.fusions.kernel_params import (
+from mcore_activations.jit import jit_fuser
+from mcore_activations.kernel_params import (
     params_tensor,
     scalar_argument,
     tensor_arguments,
 )
-from mcore_activations.jit import jit_fuser
 
 # The constants of the approximations below, named once for the whole package.
 QUICK_GELU_ALPHA = 1.702  # quick_gelu: x * sigmoid(1.702 x)

@@ -25,7 +25,7 @@ from mcore_activations.activation_spec import (
     UnsupportedActivationError,
     activation_kind_of,
 )
-from mcore_activations.te_import import (  # noqa: F401 - re-exported under their upstream-era names
+from mcore_activations.te_import import (
     TE_CACHE_QUANTIZED_INPUT_MIN_VERSION,
     TE_CLAMPED_GLU_MIN_VERSION,
     TE_GROUPED_OPS_MIN_VERSION,
@@ -34,8 +34,6 @@ from mcore_activations.te_import import (  # noqa: F401 - re-exported under thei
     TE_SILU_MIN_VERSION,
     TE_SITU_GLU_MIN_VERSION,
 )
-from mcore_activations.te_import import TEPlaceholder as _TEPlaceholder  # noqa: F401
-from mcore_activations.te_import import require_te as _require_te  # noqa: F401
 
 # ----------------------------------------------------------------------------- the lowering
 
@@ -442,7 +440,7 @@ class TEActivationOp:
     """
 
     def __new__(cls, config):
-        _require_te(cls.__name__, TE_OPS_MIN_VERSION)
+        te_import.require_te(cls.__name__, TE_OPS_MIN_VERSION)
         return lower_activation_to_te_op(
             ActivationSpec.from_config(config),
             path=cls.__name__,

@@ -43,7 +43,7 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 # The compile boundary lives in its own leaf module; its names are re-exported here.
-from mcore_activations.fusions.kernel_params import (  # noqa: E402, F401
+from mcore_activations.kernel_params import (  # noqa: E402, F401
     CLAMP,
     GATE_SCALE,
     LINEAR_SCALE,

@@ -39,7 +39,7 @@ from mcore_activations.fusions.activation_ops import (
     run_backward_in_place,
     run_forward,
 )
-from mcore_activations.fusions.kernel_params import constant_scalars
+from mcore_activations.kernel_params import constant_scalars
 
 FP8_STORE_DTYPE = torch.float8_e4m3fn
 

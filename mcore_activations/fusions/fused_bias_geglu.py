@@ -27,8 +27,8 @@ from mcore_activations.fusions.fused_activation import (
     save_and_forward,
     saved_backward,
 )
-from mcore_activations.fusions.kernel_params import scalar_argument
 from mcore_activations.jit import jit_fuser
+from mcore_activations.kernel_params import scalar_argument
 
 GEGLU = ActivationSpec(ActivationKind.GELU_TANH, gated=True)
 

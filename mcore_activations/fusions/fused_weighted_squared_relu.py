@@ -18,7 +18,7 @@ from mcore_activations.fusions.fused_activation import (
     save_and_forward,
     saved_backward,
 )
-from mcore_activations.fusions.kernel_params import scalar_argument
+from mcore_activations.kernel_params import scalar_argument
 
 SQUARED_RELU = ActivationSpec(ActivationKind.SQUARED_RELU)
 

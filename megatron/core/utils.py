@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch
 
+from mcore_activations.te_import import is_te_min_version  # noqa: F401 - upstream name
+from mcore_activations.te_import import te_version as get_te_version  # noqa: F401 - upstream name
 from mcore_activations.versions import (  # noqa: F401 - upstream names
-    get_te_version,
     get_torch_version,
-    is_te_min_version,
     is_torch_min_version,
 )
 from megatron.core.parallel_state_ranks import (

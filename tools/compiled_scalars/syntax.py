@@ -11,10 +11,7 @@ import re
 import tokenize
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tools.compiled_scalars.module_checker import _ModuleChecker
+from typing import Protocol
 
 _FLOAT_TYPE_NAMES = frozenset({"float", "SupportsFloat", "Real", "Number"})
 _TENSOR_TYPE_NAMES = frozenset({"Tensor", "Parameter"})
@@ -313,10 +310,20 @@ def _name_loads(scope: _FunctionNode | ast.Lambda) -> list[ast.Name]:
 # Usage heuristics for unannotated parameters
 
 
+class DottedNames(Protocol):
+    """What the usage heuristics ask of the module checker: an expression's dotted name.
+
+    A protocol rather than the checker's class, so this module stays below the checker.
+    """
+
+    def dotted(self, node: ast.AST) -> str | None:
+        """``torch.nn.functional.relu`` for ``F.relu`` after ``import torch.nn.functional as F``."""
+
+
 class _Usage:
     """How each parameter is used in a function body: scalar evidence and tensor evidence."""
 
-    def __init__(self, body: Sequence[ast.AST], names: set[str], checker: _ModuleChecker):
+    def __init__(self, body: Sequence[ast.AST], names: set[str], checker: DottedNames):
         self.tensor_like: set[str] = set()
         self.scalar: dict[str, str] = {}
         for node in ast.walk(ast.Module(body=list(body), type_ignores=[])):
@@ -326,7 +333,7 @@ class _Usage:
         if name in names and name not in self.scalar:
             self.scalar[name] = evidence
 
-    def _visit(self, node: ast.AST, names: set[str], checker: _ModuleChecker) -> None:
+    def _visit(self, node: ast.AST, names: set[str], checker: DottedNames) -> None:
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if node.value.id in names and node.attr not in _FLOAT_ATTRS:
@@ -354,9 +361,7 @@ class _Usage:
         elif isinstance(node, ast.Call):
             self._visit_call(node, names, checker, line)
 
-    def _visit_call(
-        self, node: ast.Call, names: set[str], checker: _ModuleChecker, line: int
-    ) -> None:
+    def _visit_call(self, node: ast.Call, names: set[str], checker: DottedNames, line: int) -> None:
         for kw in node.keywords:
             if kw.arg in _BOUND_KEYWORDS:
                 self._note(_scalar_ref(kw.value), names, f"passed as {kw.arg}= at line {line}")

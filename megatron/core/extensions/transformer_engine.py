@@ -40,14 +40,14 @@ from mcore_activations.te_import import (  # noqa: F401 - upstream names re-expo
     TE_SILU_MIN_VERSION,
     TE_SITU_GLU_MIN_VERSION,
 )
+from mcore_activations.te_import import TEPlaceholder as _TEPlaceholder  # noqa: F401
+from mcore_activations.te_import import require_te as _require_te  # noqa: F401
 from mcore_activations.te_lowering import (  # noqa: F401 - upstream names re-exported here
     TE_GLU_INTERLEAVE_MIN_VERSION,
     TEActivationLowering,
     TEActivationOp,
     TEVersionError,
     _make_te_ops_activation,
-    _require_te,
-    _TEPlaceholder,
     lower_activation_to_te_op,
     plan_te_activation,
 )

@@ -250,8 +250,7 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None
 
     ``progress``, if given, is called with ``(done, total, cell)`` after each cell.
     """
-    from mcore_activations.te_import import have_te
-    from mcore_activations.te_lowering import TE_INSTALL_HINT
+    from mcore_activations.te_import import TE_INSTALL_HINT, have_te
 
     _init_single_process_world(device)
     if not have_te():

@@ -8,7 +8,7 @@ import ast
 import megatron.core.extensions.transformer_engine as te_ext
 import megatron.core.transformer.moe.experts as experts_module
 import megatron.core.transformer.moe.shared_experts as shared_experts_module
-from mcore_activations import te_import, versions
+from mcore_activations import te_import
 from megatron.core import utils
 from tests.unit_tests.extensions.fake_te import install_fake_te, remove_te
 from tests.unit_tests.test_import_graph import module_files
@@ -33,10 +33,10 @@ def test_one_patch_reaches_every_te_path(monkeypatch):
     for module in (te_ext, experts_module, shared_experts_module):
         assert module.te is fake and module.HAVE_TE is True
     # Every version check reads the version of the te in force.
-    for check in (te_import.is_te_min_version, versions.is_te_min_version, utils.is_te_min_version):
+    for check in (te_import.is_te_min_version, utils.is_te_min_version):
         assert check("2.19.0") and check("2.19.1") and not check("2.20.0")
         assert not check("2.19.1", check_equality=False)
-    assert str(versions.get_te_version()) == "2.19.1"
+    assert str(utils.get_te_version()) == "2.19.1"
 
 
 def test_removing_te_reaches_every_te_path(monkeypatch):

@@ -29,7 +29,7 @@ from mcore_activations.fusions import activation_ops, in_place
 from mcore_activations.fusions.activation_kernels import KernelVariant
 from mcore_activations.fusions.activation_ops import use_kernel_backend
 from mcore_activations.fusions.in_place import InPlaceBackwardError, use_in_place_backward
-from mcore_activations.fusions.kernel_params import params_tensor, spec_params
+from mcore_activations.kernel_params import params_tensor, spec_params
 from megatron.core.fusions import fused_bias_geglu as geglu_mod
 from megatron.core.fusions import fused_bias_swiglu as swiglu_mod
 from megatron.core.fusions.fused_activation import fused_activation

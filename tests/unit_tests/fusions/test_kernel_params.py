@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mcore_activations import activations
-from mcore_activations.fusions.kernel_params import check_kernel_args, tensor_arguments
+from mcore_activations.kernel_params import check_kernel_args, tensor_arguments
 
 
 @pytest.mark.parametrize("number", [2.0, 3, True, 1j])
