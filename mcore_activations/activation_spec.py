@@ -61,6 +61,32 @@ def is_positive_finite_float32(value: float) -> bool:
     return math.isfinite(rounded) and rounded >= FLOAT32_TINY
 
 
+def check_clamps_exclusive(
+    clamp: Optional[float],
+    gate_tanh_scale: Optional[float],
+    names: tuple[str, str] = ("clamp_value", "gate_tanh_scale"),
+) -> None:
+    """The one rule that a hard clamp and a gate tanh scale are alternatives, never combined.
+
+    Every path would have to agree on one order of composing the two (and Transformer Engine has
+    no op for either order), so the config, the functional API and the spec all refuse the mix
+    through this function, each naming the arguments as its caller spells them.
+
+    Args:
+        clamp: The hard clamp ``c`` in force (DeepSeek-V4), or None.
+        gate_tanh_scale: The tanh soft-clamp scale ``s_g`` (SiTU-GLU), or None.
+        names: How the caller names the two, e.g. the config's field names.
+
+    Raises:
+        ValueError: Both are set.
+    """
+    if clamp is not None and gate_tanh_scale is not None:
+        raise ValueError(
+            f"{names[0]}={clamp!r} and {names[1]}={gate_tanh_scale!r} are mutually exclusive: "
+            "choose the hard clamp (DeepSeek-V4) or the tanh soft clamp (SiTU-GLU), not both."
+        )
+
+
 class UnsupportedActivationError(ValueError):
     """An MLP path cannot compute the configured activation.
 
@@ -239,8 +265,11 @@ class ActivationSpec:
                     raise ValueError(f"ActivationSpec.{name} requires gated=True.")
             if offset != 0.0:
                 raise ValueError("ActivationSpec.linear_offset requires gated=True.")
-        if self.clamp_value is not None and self.gate_tanh_scale is not None:
-            raise ValueError("ActivationSpec: clamp_value and gate_tanh_scale are exclusive.")
+        check_clamps_exclusive(
+            self.clamp_value,
+            self.gate_tanh_scale,
+            ("ActivationSpec.clamp_value", "ActivationSpec.gate_tanh_scale"),
+        )
         if self.gated and self.gate_tanh_scale is not None and self.kind != ActivationKind.SILU:
             raise ValueError("ActivationSpec: a gated tanh clamp (SiTU-GLU) requires kind=SILU.")
         if self.linear_tanh_scale is not None and self.gate_tanh_scale is None:

@@ -22,7 +22,11 @@ from typing import Optional
 
 import torch
 
-from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+from mcore_activations.activation_spec import (
+    ActivationKind,
+    ActivationSpec,
+    check_clamps_exclusive,
+)
 from mcore_activations.fusions.fused_activation import (
     activation_backward,
     activation_forward,
@@ -61,11 +65,7 @@ def swiglu_spec(
             "clamp_value=nan is not a clamp; pass None (or, as upstream, a value <= 0) for none."
         )
     clamp = clamp_value if clamp_value is not None and clamp_value > 0 else None
-    if clamp is not None and gate_clamp_scale is not None:
-        raise ValueError(
-            f"clamp_value={clamp_value!r} and gate_clamp_scale={gate_clamp_scale!r} are mutually "
-            "exclusive: choose the hard clamp (DeepSeek-V4) or SiTU-GLU."
-        )
+    check_clamps_exclusive(clamp, gate_clamp_scale, ("clamp_value", "gate_clamp_scale"))
     if linear_clamp_scale is not None and gate_clamp_scale is None:
         raise ValueError(
             f"linear_clamp_scale={linear_clamp_scale!r} requires gate_clamp_scale (SiTU-GLU)."

@@ -28,11 +28,6 @@ def weighted_squared_relu(x, weights):
     return activation_forward(SQUARED_RELU, x, probs=weights)
 
 
-def _squared_relu_back(g, x):
-    """Gradient of ``relu(x)**2``: ``2 g relu(x)``."""
-    return activation_backward(SQUARED_RELU, g, x)[0]
-
-
 def weighted_squared_relu_back(g, x, weights):
     """Gradients of :func:`weighted_squared_relu`: ``(dx, dweights)``."""
     dx, _, dw = activation_backward(SQUARED_RELU, g, x, probs=weights)

@@ -19,6 +19,7 @@ from mcore_activations.activation_spec import (
     FLOAT32_MAX,
     FLOAT32_TINY,
     as_float32,
+    check_clamps_exclusive,
     is_positive_finite_float32,
 )
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
@@ -545,14 +546,11 @@ class TransformerConfig(TransformerFeatureFields, ModelParallelConfig):
             )
         if s_g is None:
             return
-        if self.activation_func_clamp_value is not None:
-            # One exact composition order would have to be honoured by every path (and by TE,
-            # which has no op for it); the two clamps are alternatives, so refuse the mix.
-            raise ValueError(
-                f"activation_func_clamp_value={self.activation_func_clamp_value!r} and "
-                f"activation_func_tanh_clamp_scale={s_g!r} are mutually exclusive: choose the hard "
-                "clamp (DeepSeek-V4) or the tanh soft clamp (SiTU-GLU), not both."
-            )
+        check_clamps_exclusive(
+            self.activation_func_clamp_value,
+            s_g,
+            ("activation_func_clamp_value", "activation_func_tanh_clamp_scale"),
+        )
         if gated and act != F.silu:
             raise ValueError(
                 f"activation_func_tanh_clamp_scale={s_g!r} with gated_linear_unit=True defines "
