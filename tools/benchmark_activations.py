@@ -10,11 +10,23 @@ otherwise) and weighting (per-row probabilities or none), in one run on one devi
 forward and forward+backward of:
 
 - ``ours``: this project's ``fused_activation`` (the Triton kernels on CUDA);
+- ``ours_inplace``: the same with ``in_place_backward=True`` (the input gradient written over the
+  saved input);
 - ``te``: the Transformer Engine op the spec lowers to (its ``Scaled*`` form when weighted), when
   TE imports and has one;
 - ``compile``: plain ``torch.compile`` of the same float32 math with the scalars in a tensor (the
   reference body, autograd-derived backward; static shapes, compiled per shape);
-- ``eager``: ``unfused_activation``, torch ops with autograd (headline suite only).
+- ``eager``: ``unfused_activation``, torch ops with autograd (headline suite only);
+- ``liger`` / ``liger_inplace``: Liger-Kernel's Megatron SwiGLU (``LigerMegatronSwiGLU``,
+  ``in_place`` off / on), for plain SwiGLU without bias or weights, where ``liger_kernel`` imports.
+
+In forward+backward every candidate's input is a fresh intermediate of the graph over the same
+memory each call (:class:`Intermediate`), as fc1's output is in a layer: the in-place modes
+accept only such an input, and no candidate pays for a copy. The in-place candidates' input then
+holds the previous call's gradient; the kernels take the same time whatever the values.
+Each candidate's forward+backward peak memory beyond its inputs and output gradient is recorded
+too (``*_fwd_bwd_peak_mib``: ``torch.cuda.max_memory_allocated`` over one call, less what was
+allocated before it), which is where the in-place modes differ.
 
 With ``--bias`` every row adds a bias of the input's width, whose gradient the backward computes
 too: ``ours`` and ``compile`` take it as an input, ``te`` and ``eager`` run on ``x + bias``
@@ -203,6 +215,42 @@ def te_candidate(spec, weighted):
     return lambda x, p: op(x)
 
 
+def liger_candidates(spec, weighted, bias):
+    """Liger's Megatron SwiGLU (``in_place`` off and on) as ``fn(x, probs)``, for plain SwiGLU
+    without bias or weights where ``liger_kernel`` imports; else ``{}``."""
+    plain_swiglu = spec == SPECS["SwiGLU"]
+    if not plain_swiglu or weighted or bias is not None:
+        return {}
+    try:
+        from liger_kernel.megatron import LigerMegatronSwiGLU
+    except Exception:  # noqa: BLE001 - not installed: no Liger columns
+        return {}
+    found = {}
+    for label, flag in (("liger", False), ("liger_inplace", True)):
+        module = LigerMegatronSwiGLU(in_place=flag)
+        found[label] = lambda x, p, module=module: module(x)
+    return found
+
+
+class Intermediate(torch.autograd.Function):
+    """``buffer`` as a new intermediate of the graph, without a copy; its gradient stops here.
+
+    The forward returns ``buffer.detach()``: a tensor object of its own over ``buffer``'s
+    memory, produced by this node (so not a leaf, as fc1's output is not). ``anchor`` is a
+    one-element tensor that requires gradients, so that the output does.
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, buffer):
+        """A fresh tensor over ``buffer``'s memory."""
+        return buffer.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        """Nothing flows further: the benchmark times the activation alone."""
+        return None, None
+
+
 def compile_candidate(spec, weighted, bias=None):
     """Plain torch.compile of the reference math, scalars as a tensor, static shapes; with
     ``bias`` (a tensor), the bias is an input of the compiled function too."""
@@ -220,6 +268,9 @@ def compile_candidate(spec, weighted, bias=None):
 def candidates(spec, weighted, with_eager, bias=None):
     """``label -> fn(x, probs)`` of a row; ``bias`` (or None) is added by each candidate."""
     found = {"ours": lambda x, p: fused_activation(x, spec, bias=bias, probs=p)}
+    found["ours_inplace"] = lambda x, p: fused_activation(
+        x, spec, bias=bias, probs=p, in_place_backward=True
+    )
     te = te_candidate(spec, weighted)
     if te is not None:
         found["te"] = te if bias is None else (lambda x, p: te(x + bias, p))
@@ -231,7 +282,7 @@ def candidates(spec, weighted, with_eager, bias=None):
             return out * p.to(out.dtype) if p is not None else out
 
         found["eager"] = eager
-    return found
+    return found | liger_candidates(spec, weighted, bias)
 
 
 def batch_calls(T: int, width: int, floor_ms: float = 0.0, min_batch_ms: float = 0.0) -> int:
@@ -259,7 +310,7 @@ def bench(
     x = torch.randn(T, width, device="cuda", dtype=dtype) * 4
     grad = torch.randn(T, H, device="cuda", dtype=dtype)
     probs = torch.rand(T, 1, device="cuda") if weighted else None
-    xg = x.clone().requires_grad_()
+    anchor = torch.zeros(1, device="cuda", requires_grad=True)
     pg = probs.clone().requires_grad_() if weighted else None
     bias = torch.randn(width, device="cuda", dtype=dtype).requires_grad_() if with_bias else None
     fwd_bytes = T * (width + H) * size
@@ -275,13 +326,17 @@ def bench(
     }
     found = candidates(spec, weighted, with_eager, bias)
 
+    def reset():
+        for leaf in (pg, bias):
+            if leaf is not None:
+                leaf.grad = None
+
     def fwd_bwd(fn):
+        buffer = x.clone()  # the candidate's own: an in-place candidate overwrites it
+
         def call():
-            xg.grad = None
-            for leaf in (pg, bias):
-                if leaf is not None:
-                    leaf.grad = None
-            fn(xg, pg).backward(grad)
+            reset()
+            fn(Intermediate.apply(anchor, buffer), pg).backward(grad)
 
         return call
 
@@ -300,7 +355,26 @@ def bench(
                 row[f"{label}_{suffix}_ms"] = ms
                 if label != "floor":
                     row[f"{label}_{suffix}_host_ms"] = host_ms(group[label])
+    for label, call in both.items():
+        if label != "floor":
+            row[f"{label}_fwd_bwd_peak_mib"] = peak_mib(call, reset)
     return row
+
+
+def peak_mib(call, reset) -> float:
+    """MiB that one ``call()`` allocates at its peak beyond what was allocated before it.
+
+    A first call settles what persists between calls (the weights' gradients, caches); the
+    measured one starts from ``reset()`` (those gradients freed), so its own gradients count.
+    """
+    call()
+    reset()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def configurations(suite):
@@ -343,6 +417,12 @@ def environment():
         env["te"] = transformer_engine.__version__
     except Exception:  # noqa: BLE001
         env["te"] = "absent"
+    try:
+        from importlib.metadata import version
+
+        env["liger_kernel"] = version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        env["liger_kernel"] = "absent"
     return env
 
 
@@ -363,11 +443,12 @@ def host_paced(row: dict, label: str, suffix: str) -> bool:
 
 
 def markdown(rows):
-    """The result rows as a markdown table: ms, and x the floor in parentheses; a time paced by
-    the host (:func:`host_paced`) carries ``HOST_PACED_MARK``."""
-    labels = ["ours", "te", "compile", "eager"]
+    """The result rows as a markdown table: ms, and x the floor in parentheses, then the
+    forward+backward peak where measured; a time paced by the host (:func:`host_paced`) carries
+    ``HOST_PACED_MARK``."""
+    labels = ["ours", "ours_inplace", "te", "compile", "eager", "liger", "liger_inplace"]
     head = "| spec | dtype | T x H | probs | bias | floor fwd / f+b ms |"
-    head += "".join(f" {label} fwd / f+b |" for label in labels)
+    head += "".join(f" {label} fwd / f+b / peak |" for label in labels)
     lines = [head, "|" + "---|" * (6 + len(labels))]
     for r in rows:
         cells = []
@@ -380,6 +461,9 @@ def markdown(rows):
                 ms, floor = r[f"{label}_{suffix}_ms"], r[f"floor_{suffix}_ms"]
                 mark = HOST_PACED_MARK if host_paced(r, label, suffix) else ""
                 halves.append(f"{ms:.3f}{mark} ({ms / floor:.2f})")
+            peak = r.get(f"{label}_fwd_bwd_peak_mib")
+            if peak is not None:
+                halves.append(f"{peak:.0f} MiB")
             cells.append(" / ".join(halves))
         lines.append(
             f"| {r['spec']} | {r['dtype']} | {r['T']} x {r['H']} | {'yes' if r['weighted'] else ''}"

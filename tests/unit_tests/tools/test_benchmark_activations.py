@@ -107,3 +107,32 @@ def test_host_ms_is_the_host_time_of_a_call_and_refuses_a_synchronising_one():
     heavy = host_ms(lambda: [x @ x for _ in range(10)], calls=3, repeats=3, busy_ms=200.0)
     assert heavy is not None and heavy < 1.0
     assert host_ms(lambda: x.sum().item(), calls=3) is None
+
+
+def test_markdown_shows_in_place_and_liger_columns_with_peak_memory():
+    """The in-place and Liger candidates have columns of their own, and a measured
+    forward+backward peak follows the times; a row without Liger shows a dash there."""
+    from tools.benchmark_activations import markdown
+
+    row = {"spec": "SwiGLU", "dtype": "bfloat16", "T": 8192, "H": 8192, "weighted": False}
+    row |= {"floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 2.0}
+    for label, peak in (("ours", 384.0), ("ours_inplace", 128.0)):
+        row |= {f"{label}_fwd_ms": 1.0, f"{label}_fwd_bwd_ms": 2.0}
+        row |= {f"{label}_fwd_bwd_peak_mib": peak}
+    head, _, line = markdown([row]).splitlines()
+    labels = [cell.split()[0] for cell in head.split("|")[7:-1]]
+    assert labels == ["ours", "ours_inplace", "te", "compile", "eager", "liger", "liger_inplace"]
+    cells = [cell.strip() for cell in line.split("|")[7:-1]]
+    assert cells[:2] == [
+        "1.000 (1.00) / 2.000 (1.00) / 384 MiB",
+        "1.000 (1.00) / 2.000 (1.00) / 128 MiB",
+    ]
+    assert cells[5:] == ["-", "-"]
+
+
+def test_liger_columns_only_for_plain_swiglu():
+    from tools.benchmark_activations import SPECS, liger_candidates
+
+    # Not installed here: no columns; for other specs or with weights or a bias, never.
+    assert liger_candidates(SPECS["SwiGLU(clamp=7)"], False, None) == {}
+    assert liger_candidates(SPECS["SwiGLU"], True, None) == {}
