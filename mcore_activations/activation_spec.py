@@ -26,7 +26,7 @@ import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -398,24 +398,7 @@ class ActivationSpec:
         h = x.to(dtype)
         if bias is not None:
             h = h + bias.to(dtype)
-        if self.gated:
-            gate, lin = deinterleave_glu(h, self.glu_interleave_size)
-            if self.clamp_value is not None:
-                gate = torch.clamp(gate, max=self.clamp_value)
-                lin = torch.clamp(lin, -self.clamp_value, self.clamp_value)
-            if self.is_situ_glu:
-                s_g = self.gate_tanh_scale
-                act = s_g * torch.tanh(gate / s_g) * torch.sigmoid(gate)
-            else:
-                act = self.base_function(gate)
-            if self.linear_tanh_scale is not None:
-                s_l = self.linear_tanh_scale
-                lin = s_l * torch.tanh(lin / s_l)
-            out = act * (lin + self.linear_offset)
-        else:
-            if self.gate_tanh_scale is not None:
-                h = self.gate_tanh_scale * torch.tanh(h / self.gate_tanh_scale)
-            out = self.base_function(h)
+        out = _compose(h, self, self.base_function, _EXACT)
         if probs is not None:
             probs = probs.to(dtype)
             if probs.dim() == out.dim() - 1:
@@ -487,6 +470,55 @@ def _clamp_in_float32(t: torch.Tensor, low: Optional[float], high: float) -> tor
     return torch.clamp(t.float(), low, high).to(t.dtype)
 
 
+def _clamp_exact(t: torch.Tensor, low: Optional[float], high: float) -> torch.Tensor:
+    return torch.clamp(t, low, high)
+
+
+def _soft_clamp_exact(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return scale * torch.tanh(t / scale)
+
+
+def _situ_exact(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return scale * torch.tanh(t / scale) * torch.sigmoid(t)
+
+
+class _Primitives(NamedTuple):
+    """The elementwise pieces one evaluation of a spec's formula is built from."""
+
+    clamp: Callable[[torch.Tensor, Optional[float], float], torch.Tensor]
+    soft_clamp: Callable[[torch.Tensor, float], torch.Tensor]
+    situ: Callable[[torch.Tensor, float], torch.Tensor]
+
+
+# The reference: every piece in the tensor's own dtype (float64 there).
+_EXACT = _Primitives(_clamp_exact, _soft_clamp_exact, _situ_exact)
+# The unfused path: clamps, soft clamps and SiTU in float32, results in the input's dtype. The
+# clamp and its gradient masks are taken in float32, as the fused kernels and the reference take
+# them: clamping a bf16 / fp16 tensor with a Python bound rounds the bound to that dtype (7.02 ->
+# 7.03125 in bf16), so an input just above the true bound would keep its gradient. The clamped
+# values are rounded back to the input dtype, so the forward is the one upstream's eager clamp
+# computes.
+_UNFUSED = _Primitives(_clamp_in_float32, tanh_soft_clamp, situ)
+
+
+def _compose(
+    h: torch.Tensor, spec: ActivationSpec, func: Callable, ops: _Primitives
+) -> torch.Tensor:
+    """The formula of ``spec`` on ``h``, composed once for the reference and the unfused path."""
+    if not spec.gated:
+        if spec.gate_tanh_scale is not None:
+            h = ops.soft_clamp(h, spec.gate_tanh_scale)
+        return func(h)
+    gate, lin = deinterleave_glu(h, spec.glu_interleave_size)
+    if spec.clamp_value is not None:
+        gate = ops.clamp(gate, None, spec.clamp_value)
+        lin = ops.clamp(lin, -spec.clamp_value, spec.clamp_value)
+    act = ops.situ(gate, spec.gate_tanh_scale) if spec.is_situ_glu else func(gate)
+    if spec.linear_tanh_scale is not None:
+        lin = ops.soft_clamp(lin, spec.linear_tanh_scale)
+    return act * (lin + spec.linear_offset) if spec.linear_offset else act * lin
+
+
 def unfused_activation(
     x: torch.Tensor,
     spec: ActivationSpec,
@@ -508,25 +540,7 @@ def unfused_activation(
             to ``x.dtype``.
     """
     func = activation_func if activation_func is not None else spec.base_function
-    if spec.gated:
-        gate, lin = deinterleave_glu(x, spec.glu_interleave_size)
-        if spec.clamp_value is not None:
-            # The clamp and its gradient masks are taken in float32, as the fused kernels and
-            # the reference take them: clamping a bf16 / fp16 tensor with a Python bound rounds
-            # the bound to that dtype (7.02 -> 7.03125 in bf16), so an input just above the true
-            # bound would keep its gradient. The clamped values are rounded back to the input
-            # dtype, so the forward is the one upstream's eager clamp computes.
-            c = spec.clamp_value
-            gate = _clamp_in_float32(gate, None, c)
-            lin = _clamp_in_float32(lin, -c, c)
-        act = situ(gate, spec.gate_tanh_scale) if spec.is_situ_glu else func(gate)
-        if spec.linear_tanh_scale is not None:
-            lin = tanh_soft_clamp(lin, spec.linear_tanh_scale)
-        out = act * (lin + spec.linear_offset) if spec.linear_offset else act * lin
-    else:
-        if spec.gate_tanh_scale is not None:
-            x = tanh_soft_clamp(x, spec.gate_tanh_scale)
-        out = func(x)
+    out = _compose(x, spec, func, _UNFUSED)
     if probs is not None:
         out = (out * probs).to(x.dtype)
     return out
