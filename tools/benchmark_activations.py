@@ -3,7 +3,8 @@ memory floor.
 
 Usage (GPU)::
 
-    python tools/benchmark_activations.py [--suite headline|sweep|full] [--bias] [--json out.json]
+    python tools/benchmark_activations.py [--suite headline|sweep|full|memory] [--bias]
+        [--json out.json]
 
 For each activation spec, dtype, shape ``T x H`` (input ``[T, 2H]`` for a GLU, ``[T, H]``
 otherwise) and weighting (per-row probabilities or none), in one run on one device, it times
@@ -97,6 +98,10 @@ SPECS = {
 }
 HEADLINE = "SwiGLU(clamp=7)"
 HEADLINE_SHAPES = [(16384, 8192), (4096, 2048), (65536, 1536)]
+# The memory suite: the shapes at which the in-place modes are compared ([T, 2H] inputs of
+# 8192 x 65536, 16384 x 16384 and 8192 x 8192), for the kinds Liger has and those it has not.
+MEMORY_SHAPES = [(8192, 32768), (16384, 8192), (8192, 4096)]
+MEMORY_SPECS = ["SwiGLU", "SwiGLU(clamp=7)", "SiTU-GLU(4,25)", "quick-GEGLU(gpt-oss)"]
 SWEEP_T = [256, 4096, 65536]
 SWEEP_H = [1024, 2880, 8192, 16384]  # 2880 (gpt-oss) is not a multiple of 128
 
@@ -388,6 +393,11 @@ def configurations(suite):
         for dtype in (torch.float16, torch.float32):
             for name in (HEADLINE, "SiTU-GLU(4,25)", "quick-GEGLU(gpt-oss)"):
                 yield name, SPECS[name], 16384, 8192, dtype, False, True
+    if suite == "memory":
+        for T, H in MEMORY_SHAPES:
+            for name in MEMORY_SPECS:
+                yield name, SPECS[name], T, H, bf16, False, False
+            yield HEADLINE, SPECS[HEADLINE], T, H, bf16, True, False
     if suite in ("sweep", "full"):
         for T in SWEEP_T:
             for H in SWEEP_H:
@@ -487,7 +497,7 @@ def selected(args, name: str, T: int, H: int, dtype: torch.dtype) -> bool:
 def main(argv=None):
     """Runs the benchmark; prints the environment and a markdown table (JSON on request)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full"])
+    parser.add_argument("--suite", default="full", choices=["headline", "sweep", "full", "memory"])
     parser.add_argument("--spec", action="append", choices=sorted(SPECS), help="only these")
     parser.add_argument("--h", type=int, action="append", help="only these widths H")
     parser.add_argument("--t", type=int, action="append", help="only these row counts T")

@@ -136,3 +136,11 @@ def test_liger_columns_only_for_plain_swiglu():
     # Not installed here: no columns; for other specs or with weights or a bias, never.
     assert liger_candidates(SPECS["SwiGLU(clamp=7)"], False, None) == {}
     assert liger_candidates(SPECS["SwiGLU"], True, None) == {}
+
+
+def test_memory_suite_covers_the_in_place_comparison_shapes():
+    from tools.benchmark_activations import configurations
+
+    rows = [(name, T, H, weighted) for name, _, T, H, _, weighted, _ in configurations("memory")]
+    assert {(T, 2 * H) for _, T, H, _ in rows} == {(8192, 65536), (16384, 16384), (8192, 8192)}
+    assert ("SwiGLU", 8192, 32768, False) in rows and ("SwiGLU(clamp=7)", 8192, 4096, True) in rows
