@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
 
+from megatron.core import parallel_state
 from megatron.core import utils as _utils
 from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 
@@ -90,6 +93,178 @@ class MegatronModule(torch.nn.Module):
 
 # The all-reduce algorithms a module's symmetric_ar_type may name (None: off).
 SYMMETRIC_AR_TYPES = ("two_shot", "one_shot", "multimem_all_reduce", None)
+
+
+class GraphableMegatronModule(MegatronModule):
+    """A module whose forward can be captured into CUDA graphs and replayed (upstream's base of
+    ``TransformerLayer`` and ``MambaLayer``).
+
+    With ``config.cuda_graph_impl == "transformer_engine"`` it keeps the graphs a training script
+    makes with TE's ``make_graphed_callables`` in ``cuda_graphs`` (one per microbatch) and, in
+    training, replays the one of ``current_microbatch`` instead of running ``forward``; the
+    forward pre-hooks a graph cannot hold run from ``cuda_graph_manual_hooks`` first. With
+    ``"local"`` a subclass's ``create_mcore_cudagraph_manager(config)`` makes the manager that
+    ``__call__`` hands every call to. This fork ships no local graph manager of its own (the
+    field is one of the feature fields that warn when set): without that method the module runs
+    eagerly.
+
+    Args:
+        config: The layer's ``TransformerConfig``.
+        vp_stage: Virtual pipeline stage of the layer (accepted as upstream does).
+
+    Raises:
+        AssertionError: ``config`` is not a ``TransformerConfig`` (upstream's check).
+    """
+
+    def __init__(self, config: TransformerConfig, vp_stage: Optional[int] = None):
+        super().__init__(config)
+        assert isinstance(config, TransformerConfig), "config must be a TransformerConfig"
+        if config.cuda_graph_impl == "local":
+            if hasattr(self, "create_mcore_cudagraph_manager"):
+                self.create_mcore_cudagraph_manager(config)
+        elif config.cuda_graph_impl == "transformer_engine":
+            # One graph per microbatch: pipelining runs several microbatches' forward graphs
+            # before their backward graphs. The training script fills the list before step one.
+            self.cuda_graphs = []
+            # (hook, args) pairs of the forward pre-hooks a graph replay skips; they are called
+            # before each replay so that parameter all-gathers still overlap with compute.
+            self.cuda_graph_manual_hooks = []
+            self.cuda_graph_backward_dw_wrapper = None
+
+    def init_backward_dw_wrapper(self):
+        """Upstream builds a ``_BackwardDWWrapper`` of a ``TransformerLayer`` here (delayed
+        weight-gradient scheduling); the fork has neither.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.init_backward_dw_wrapper: the delayed weight-gradient wrapper "
+            "belongs to upstream's TransformerLayer, which this fork does not ship; use "
+            "megatron-core with mcore_activations.patch_megatron_core() for it."
+        )
+
+    def set_te_cuda_graph_backward_dw_wrapper(self):
+        """Makes ``backward_dw_wrapper`` run the weight-gradient graph of ``current_microbatch``."""
+        assert self.backward_dw_wrapper is not None, (
+            "`backward_dw_wrapper` must be set when cuda graphs are enabled for ep overlap."
+        )
+        self.backward_dw_wrapper.set_graphed_backward_dw_callable(
+            partial(self._te_cuda_graph_backward_dw_graph, self.current_microbatch)
+        )
+
+    def _te_cuda_graph_backward_dw_graph(self, microbatch_idx):
+        """Runs the weight-gradient graph of ``microbatch_idx``, if that graph has one."""
+        graph = self.cuda_graphs[microbatch_idx % len(self.cuda_graphs)]
+        if hasattr(graph, "backward_dw"):
+            graph.backward_dw()
+
+    def get_layer_static_inputs(self, seq_length, micro_batch_size):
+        """The static inputs to capture the layer with: ``{"hidden_states": ...}``, a bf16 tensor
+        of ones on the current CUDA device, of shape ``[s, micro_batch_size, hidden_size]`` with
+        ``s`` the sequence length split over context parallelism (and over tensor parallelism
+        with sequence parallelism). Subclasses with more inputs override it.
+        """
+        config = self.config
+        slen = seq_length // config.context_parallel_size
+        if config.sequence_parallel:
+            slen //= config.tensor_model_parallel_size
+        return {
+            "hidden_states": torch.ones(
+                (slen, micro_batch_size, config.hidden_size),
+                dtype=torch.bfloat16,
+                requires_grad=True,
+                device=torch.cuda.current_device(),
+            )
+        }
+
+    def setup_manual_hooks(self, make_hook_func):
+        """Registers ``(make_hook_func(), (module,))`` in ``cuda_graph_manual_hooks`` for every
+        submodule under the graphs that holds parameters directly: a graph replay does not run
+        their forward pre-hooks, so the replay calls them."""
+        param_modules = {}
+        for submodule in self._get_submodules_under_cudagraphs():
+            for module in submodule.modules():
+                if next(module.parameters(recurse=False), None) is not None:
+                    param_modules[id(module)] = module
+        self.cuda_graph_manual_hooks = [
+            (make_hook_func(), (module,)) for module in param_modules.values()
+        ]
+
+    def _get_submodules_under_cudagraphs(self):
+        """The submodules the graphs cover: the whole module unless a subclass says otherwise."""
+        return [self]
+
+    def _te_cuda_graph_capture(self, *args, **kwargs):
+        """What TE captures: the forward of the whole module."""
+        return self.forward(*args, **kwargs)
+
+    def _te_cuda_graph_replay(self, *args, **kwargs):
+        """Replays the graph of ``current_microbatch`` after the manual hooks.
+
+        Raises:
+            AssertionError: an argument is not a tensor (a graph takes tensors only; keyword
+                arguments may also be None), with upstream's message.
+        """
+        for arg in args:
+            assert isinstance(arg, torch.Tensor), "CUDA graph accepts only Tensor inputs."
+        for value in kwargs.values():
+            assert value is None or isinstance(value, torch.Tensor), (
+                "CUDA graph accepts only Tensor inputs."
+            )
+        graph = self.cuda_graphs[getattr(self, "current_microbatch", 0) % len(self.cuda_graphs)]
+        graph_args, graph_kwargs = self._get_te_cuda_graph_replay_args(*args, **kwargs)
+        for hook, hook_args in self.cuda_graph_manual_hooks:
+            hook(*hook_args)
+        return graph(*graph_args, **graph_kwargs)
+
+    def _get_te_cuda_graph_replay_args(self, *args, **kwargs):
+        """The graph's ``(args, kwargs)``: ``hidden_states`` first (given by position or by
+        name, not both) and ``is_first_microbatch`` set from ``current_microbatch``.
+
+        Upstream also passes its fine-grained activation-offloading streams here; the fork has no
+        offloading manager (``fine_grained_activation_offloading`` is a feature field that warns
+        when set), so none are passed.
+        """
+        if not args:
+            assert "hidden_states" in kwargs, "hidden_states is required."
+            graph_args = (kwargs.pop("hidden_states"),)
+        else:
+            assert "hidden_states" not in kwargs, (
+                "hidden_states should only be passed as either a positional or keyword argument."
+            )
+            graph_args = tuple(args)
+        graph_kwargs = dict(kwargs)
+        graph_kwargs["is_first_microbatch"] = getattr(self, "current_microbatch", 0) == 0
+        return graph_args, graph_kwargs
+
+    def _should_call_local_cudagraph(self, *args, **kwargs):
+        """Whether calls go to the local graph manager (one was made)."""
+        return hasattr(self, "cudagraph_manager")
+
+    def _should_call_te_cudagraph(self, *args, **kwargs):
+        """Whether a training call goes through TE's graphs: when they exist (replay) or while
+        one is being captured."""
+        return (
+            self.config.cuda_graph_impl == "transformer_engine"
+            and self.training
+            and (_is_graph_capturing() or bool(self.cuda_graphs))
+        )
+
+    def __call__(self, *args, **kwargs):
+        if self._should_call_local_cudagraph(*args, **kwargs):
+            return self.cudagraph_manager(self, args, kwargs)
+        if self._should_call_te_cudagraph(*args, **kwargs):
+            if not self.cuda_graphs:
+                return self._te_cuda_graph_capture(*args, **kwargs)
+            return self._te_cuda_graph_replay(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def _is_graph_capturing() -> bool:
+    # Upstream asks a flag its own capture helper sets; the fork has no such helper, so it asks
+    # CUDA whether the current stream is capturing.
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # ----------------------------------------------------------------------------- mixed precision
@@ -184,8 +359,6 @@ class Float16Module(MegatronModule):
         """Whether this is the (first, last) stage of the model, virtual stages included."""
         pp = self.pg_collection.pp if self.pg_collection is not None else None
         if pp is None:
-            from megatron.core import parallel_state
-
             pp = parallel_state.get_pipeline_model_parallel_group(check_initialized=False)
         rank, size = get_pg_rank(pp), get_pg_size(pp)
         first, last = rank == 0, rank == size - 1
