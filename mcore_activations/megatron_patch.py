@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
+from mcore_activations.fusions import in_place
 from mcore_activations.patch_env import ENV_VAR
 from mcore_activations.upstream_patch.entry_points import (
     FUSION_MODULES,
@@ -80,29 +81,50 @@ TARGET_PATCHERS = (
 )
 
 _lock = threading.Lock()
+# "in_place_before": the process default of the in-place backward before the first patch call
+# that set it, restored by the unpatch (absent when no patch call set it).
 _state: dict[str, Any] = {"report": None, "patcher": None}
 
 
-def patch_megatron_core() -> PatchReport:
+def patch_megatron_core(in_place_backward: Optional[bool] = None) -> PatchReport:
     """Patches the installed upstream megatron-core (idempotent); returns what it patched.
+
+    Args:
+        in_place_backward: The fused activations' backward writes the input gradient over the
+            saved fc1 output instead of a new buffer (docs/performance.md, "Low-memory
+            backward"): True or False sets the process default, also on a call that finds the
+            patch in force; None (the default) keeps the one chosen by
+            ``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD`` or an earlier call (off unless set). Layers
+            whose config makes it unsafe (activation offloading, ``moe_act`` recompute, CUDA
+            graphs) are refused when built; :func:`unpatch_megatron_core` restores the default
+            this call replaced.
 
     Returns:
         The report of the patch in force: the same object on every call until
         :func:`unpatch_megatron_core`.
 
     Raises:
+        TypeError: ``in_place_backward`` is not True, False or None.
         UnsupportedUpstreamError: The installed megatron-core is unknown or modified; nothing
             was patched.
     """
+    in_place.check_option(in_place_backward)
     with _lock:
+        if in_place_backward is not None:
+            previous = in_place.set_in_place_backward(in_place_backward)
+            _state.setdefault("in_place_before", previous)
         if _state["report"] is not None:
             return _state["report"]
-        patcher = Patcher(identify_upstream())
         try:
-            for patch_target in TARGET_PATCHERS:
-                patch_target(patcher)
+            patcher = Patcher(identify_upstream())
+            try:
+                for patch_target in TARGET_PATCHERS:
+                    patch_target(patcher)
+            except Exception:
+                patcher.undo()
+                raise
         except Exception:
-            patcher.undo()
+            _restore_in_place_default()
             raise
         _state.update(report=patcher.report(), patcher=patcher)
         return _state["report"]
@@ -113,12 +135,19 @@ def unpatch_megatron_core() -> None:
 
     A layer built while patched then runs upstream's own forward again, computing what upstream
     computes for its config, until the next :func:`patch_megatron_core` gives it the fixed path
-    back.
+    back. The in-place backward's process default returns to what it was before a patch call
+    set it.
     """
     with _lock:
         if _state["patcher"] is not None:
             _state["patcher"].undo()
         _state.update(report=None, patcher=None)
+        _restore_in_place_default()
+
+
+def _restore_in_place_default() -> None:
+    if "in_place_before" in _state:
+        in_place.set_in_place_backward(_state.pop("in_place_before"))
 
 
 def patch_report() -> Optional[PatchReport]:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+from mcore_activations.fusions import in_place
 from mcore_activations.upstream_fingerprints import Capabilities
 from mcore_activations.upstream_patch.patcher import Patcher, layer_spec, refuse, wrap_init
 from mcore_activations.upstream_patch.upstream import EXPERTS_MODULE, Upstream
@@ -101,6 +102,8 @@ def _check_grouped_mlp(upstream: Upstream):
             and not isinstance(layer.activation_func, torch.nn.Module)
         ):
             _check_fused_bias_path(upstream, layer, spec, f"{owner}(bias_activation_fusion=True)")
+            if in_place.in_place_backward_enabled():
+                in_place.check_config(config, owner)
 
     return after
 

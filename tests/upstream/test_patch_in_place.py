@@ -1,0 +1,90 @@
+"""``patch_megatron_core(in_place_backward=...)`` on upstream 0.19.2 and main.
+
+The keyword sets the fused activations' low-memory backward for upstream's own ``MLP``: the
+backward then writes the input gradient over fc1's output (its version counter moves) with the
+same bits as the default backward; a config under which that is unsafe is refused when the layer
+is built; anything but a bool or None is a TypeError; the unpatch restores the default.
+"""
+
+from __future__ import annotations
+
+from conftest import run_json
+
+SCRIPT = """
+import json, os
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore_activations import megatron_patch as mp
+from mcore_activations.fusions import in_place
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+parallel_state.initialize_model_parallel(1, 1)
+tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+
+def build(**extra):
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu,
+        activation_func_clamp_value=_CLAMP_, bias_activation_fusion=True,
+        use_cpu_initialization=True, **extra,
+    )
+    torch.manual_seed(0)
+    return MLP(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+
+
+def step(mlp):
+    seen = {}
+    def keep(module, args, output):
+        seen["fc1"] = output[0]
+        seen["version"] = output[0]._version
+    handle = mlp.linear_fc1.register_forward_hook(keep)
+    x = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out, _ = mlp(x)
+    out.sum().backward()
+    handle.remove()
+    grads = [x.grad] + [p.grad for p in mlp.parameters()]
+    return out.detach(), grads, seen["fc1"]._version > seen["version"]
+
+result = {}
+mp.patch_megatron_core()
+result["default"] = in_place.in_place_backward_enabled()
+out_a, grads_a, wrote_a = step(build())
+mp.patch_megatron_core(in_place_backward=True)
+result["set"] = in_place.in_place_backward_enabled()
+out_b, grads_b, wrote_b = step(build())
+result["wrote"] = [wrote_a, wrote_b]
+same = [torch.equal(a, b) for a, b in zip(grads_a, grads_b)]
+result["bitwise"] = torch.equal(out_a, out_b) and all(same)
+try:
+    build(cpu_offloading=True, cpu_offloading_activations=True, cpu_offloading_num_layers=0)
+    result["refused"] = None
+except ValueError as err:
+    result["refused"] = str(err)
+try:
+    mp.patch_megatron_core(in_place_backward="1")
+    result["type"] = None
+except TypeError as err:
+    result["type"] = str(err)
+mp.unpatch_megatron_core()
+result["after_unpatch"] = in_place.in_place_backward_enabled()
+print(json.dumps(result))
+"""
+
+
+def test_patch_keyword_turns_the_in_place_backward_on_for_upstreams_mlp(target):
+    # Upstream main allows a SwiGLU clamp on MoE layers only (its own config rule).
+    for clamp in (0.5, None) if target == "release" else (None,):
+        result = run_json(SCRIPT.replace("_CLAMP_", repr(clamp)), target)
+        assert result["default"] is False and result["set"] is True, clamp
+        assert result["wrote"] == [False, True], clamp  # only the in-place run wrote over fc1
+        assert result["bitwise"], f"clamp={clamp}: the in-place backward changed the numbers"
+        assert "cpu_offloading=True" in result["refused"], result["refused"]
+        assert "in_place_backward must be True, False or None" in result["type"]
+        assert result["after_unpatch"] is False, clamp
