@@ -11,7 +11,7 @@ from megatron.core.models.gpt import gpt_layer_specs as specs
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module, get_submodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.test_utilities import Utils
 
@@ -113,3 +113,60 @@ def test_backend_expert_modules():
     assert te_experts.keywords["submodules"].linear_fc1 is te_ext.TEColumnParallelLinear
     assert TESpecProvider().fuse_layernorm_and_linear() is True
     assert LocalSpecProvider().column_parallel_layer_norm_linear() is None
+
+
+# ------------------------------------------- the dense MLP spec is upstream's as_mlp_submodule
+def _te_classes_over_fake_te(monkeypatch):
+    from tests.unit_tests.extensions.fake_te import install_fake_te
+
+    install_fake_te(monkeypatch)
+    return te_ext.TE_ONLY_CLASSES["TEFusedMLP"], te_ext.TE_ONLY_CLASSES[
+        "TEFusedMLPWithGroupedLinear"
+    ]
+
+
+def test_dense_mlp_spec_is_a_partial_of_as_mlp_submodule():
+    spec = specs.get_mlp_module_spec_for_backend(LocalSpecProvider())
+    assert isinstance(spec, partial) and spec.func.__self__ is MLP
+    assert spec.func.__func__ is MLP.as_mlp_submodule.__func__
+    assert spec.args == ()
+    assert spec.keywords == {
+        "submodules": MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    }
+    # Read as a ModuleSpec reads, for code written against one.
+    assert spec.module is MLP and spec.submodules is spec.keywords["submodules"]
+    assert spec.params == {}
+    assert get_submodules(spec) is spec.submodules
+    assert spec == specs.get_mlp_module_spec(use_te=False)
+    assert hash(spec) == hash(specs.get_mlp_module_spec(use_te=False))
+    assert specs.get_gpt_layer_local_submodules().mlp == spec
+
+
+def test_dense_mlp_spec_selects_the_te_class_as_upstream(monkeypatch):
+    fused, grouped = _te_classes_over_fake_te(monkeypatch)
+
+    def mlp_class(**flags):
+        return specs.get_mlp_module_spec_for_backend(
+            backend=TESpecProvider(), **flags
+        ).func.__self__
+
+    assert mlp_class(use_te_op_fuser=True, use_grouped_gemm_for_dense_mlp=True) is grouped
+    assert mlp_class(use_te_op_fuser=True, use_grouped_gemm_for_dense_mlp=False) is fused
+    assert mlp_class(use_te_op_fuser=False, use_grouped_gemm_for_dense_mlp=True) is MLP
+    te = specs.get_gpt_layer_with_transformer_engine_submodules(use_te_op_fuser=True).mlp
+    assert te.func.__self__ is fused and te.module is fused
+    assert te.submodules.linear_fc1 is te_ext.TELayerNormColumnParallelLinear
+
+
+def test_a_layer_builds_its_mlp_by_calling_the_spec(model_parallel):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=12, num_attention_heads=4, use_cpu_initialization=True
+    )
+    pg = ProcessGroupCollection.use_mpu_process_groups(["tp"])
+    spec = specs.get_gpt_layer_local_spec().submodules.mlp
+    # What upstream's TransformerLayer does with its mlp entry.
+    mlp = build_module(spec, config=config, pg_collection=pg, is_mtp_layer=False, name="mlp")
+    assert isinstance(mlp, MLP) and mlp.tp_group is pg.tp
+    assert sum(p.numel() for p in mlp.parameters()) == 1212

@@ -11,7 +11,9 @@ inside the functions, so importing this module never fails.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional, Union
 
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider, TESpecProvider
@@ -34,9 +36,44 @@ class TransformerLayerSubmodules:
     cross_attention: Union[ModuleSpec, type] = IdentityOp
     cross_attn_bda: Union[ModuleSpec, type] = IdentityFuncOp
     pre_mlp_layernorm: Union[ModuleSpec, type] = IdentityOp
-    mlp: Union[ModuleSpec, type] = IdentityOp
+    mlp: Union[ModuleSpec, type, Callable] = IdentityOp
     mlp_bda: Union[ModuleSpec, type] = IdentityFuncOp
     sharded_state_dict_keys_map: dict = field(default_factory=dict)
+
+
+class _MlpSubmoduleBuilder(partial):
+    """``partial(cls.as_mlp_submodule, submodules=MLPSubmodules(...))``: the dense-MLP spec
+    upstream's builders return. A transformer layer calls it with ``config``, ``pg_collection``,
+    ``is_mtp_layer`` and the optional sizes; ``spec.func.__self__`` is the MLP class.
+
+    Code written for builders that returned a ``ModuleSpec`` reads ``spec.module``,
+    ``spec.submodules`` and ``spec.params``; they read the same here (the class, the
+    ``MLPSubmodules``, no params). Two builders are equal when they build the same class from
+    the same submodules.
+    """
+
+    @property
+    def module(self) -> type:
+        """The MLP class (``func.__self__``)."""
+        return self.func.__self__
+
+    @property
+    def submodules(self):
+        """The ``MLPSubmodules`` the MLP is built from."""
+        return self.keywords["submodules"]
+
+    @property
+    def params(self) -> dict:
+        """No parameters beyond ``submodules`` (a ``ModuleSpec``'s ``params``)."""
+        return {}
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, partial):
+            return NotImplemented
+        return (self.func, self.args, self.keywords) == (other.func, other.args, other.keywords)
+
+    def __hash__(self) -> int:
+        return hash((self.func, self.args))
 
 
 def _refuse(name: str, value, supported) -> None:
@@ -54,7 +91,7 @@ def get_mlp_module_spec(
     fp8: Optional[str] = None,
     moe_use_legacy_grouped_gemm: Optional[bool] = False,
     use_te_op_fuser: Optional[bool] = False,
-) -> ModuleSpec:
+) -> _MlpSubmoduleBuilder:
     """Returns the spec of a dense MLP or of an MoE layer.
 
     Args:
@@ -67,8 +104,9 @@ def get_mlp_module_spec(
         use_te_op_fuser: Build ``TEFusedMLP`` (Transformer Engine fusible ops) for a dense MLP.
 
     Returns:
-        ``ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=..., linear_fc2=...))`` for
-        a dense MLP (``TEFusedMLP`` with ``use_te_op_fuser``), or the MoE layer spec.
+        ``_MlpSubmoduleBuilder(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=...,
+        linear_fc2=...))`` for a dense MLP (``TEFusedMLP`` with ``use_te_op_fuser``), or the MoE
+        layer spec.
 
     Raises:
         ValueError: ``use_te_op_fuser`` without ``use_te``, or with ``num_experts``.
@@ -99,7 +137,7 @@ def get_mlp_module_spec_for_backend(
     use_te_op_fuser: Optional[bool] = False,
     use_te_activation_func: bool = False,
     use_grouped_gemm_for_dense_mlp: bool = False,
-) -> ModuleSpec:
+) -> _MlpSubmoduleBuilder:
     """Returns the MLP (or MoE layer) spec built from ``backend``'s modules.
 
     Args:
@@ -112,8 +150,9 @@ def get_mlp_module_spec_for_backend(
             ``TEFusedMLPWithGroupedLinear``.
 
     Returns:
-        ``ModuleSpec(module=MLP (or the TE fused class), submodules=MLPSubmodules(...))``; fc1 is
-        the backend's fused norm + linear where it has one. For MoE, the MoE layer spec.
+        ``_MlpSubmoduleBuilder(cls.as_mlp_submodule, submodules=MLPSubmodules(...))`` with ``cls``
+        ``MLP`` or the TE fused class, as upstream's ``partial``; fc1 is the backend's fused
+        norm + linear where it has one. For MoE, the MoE layer spec.
     """
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
@@ -148,8 +187,8 @@ def get_mlp_module_spec_for_backend(
         linear_fc1 = backend.column_parallel_layer_norm_linear()
     else:
         linear_fc1 = backend.column_parallel_linear()
-    return ModuleSpec(
-        module=module,
+    return _MlpSubmoduleBuilder(
+        module.as_mlp_submodule,
         submodules=MLPSubmodules(
             linear_fc1=linear_fc1,
             linear_fc2=backend.row_parallel_linear(),
@@ -173,10 +212,11 @@ def get_gpt_layer_local_submodules(
 ) -> TransformerLayerSubmodules:
     """Returns the parts of a GPT layer built from megatron.core modules only (no TE).
 
-    The MLP is ``ModuleSpec(module=MLP, submodules=MLPSubmodules(ColumnParallelLinear,
-    RowParallelLinear))``, or the MoE spec when ``num_experts`` is set. The attention and norm
-    options configure parts this fork does not build: they must keep their defaults (except
-    ``normalization``, which only names the norm class of those parts and is accepted).
+    The MLP is ``MLP.as_mlp_submodule`` with ``MLPSubmodules(ColumnParallelLinear,
+    RowParallelLinear)`` (see :class:`_MlpSubmoduleBuilder`), or the MoE spec when
+    ``num_experts`` is set. The attention and norm options configure parts this fork does not
+    build: they must keep their defaults (except ``normalization``, which only names the norm
+    class of those parts and is accepted).
 
     Args:
         num_experts: None for a dense MLP; the expert count for an MoE layer.
