@@ -6,9 +6,12 @@ Usage (GPU)::
         [--shapes 65536x1536,16384x8192] [--cases SwiGLU "SwiGLU(clamp=7), fp32" ...]
         [--candidate NAME=VALUE[,NAME=VALUE...]] [--variant LABEL=REV ...] [--json out.json]
 
-``REV``'s ``mcore_activations/fusions/triton_kernels.py`` is loaded from git as a module of its
-own, next to this tree's, so both kernel families run in one process; ``REV`` may also be the
-path of a copy of that file (the GPU machine gets a snapshot of the tree, without git).
+``REV``'s kernels are loaded from git as modules of their own, next to this tree's, so both
+kernel families run in one process: ``mcore_activations/fusions/triton_kernels.py`` alone for a
+revision from before the kernels were split in three, else that file with ``triton_jit.py`` and
+``triton_plans.py`` as a package of their own. ``REV`` may also be the path of a copy (the GPU
+machine gets a snapshot of the tree, without git): a copy of the single file, or a directory
+holding copies of the three.
 ``--variant`` adds more kernel sources the same way, each timed in the same turns under its
 label, so several formulations of a kernel compare in one run. For each case and shape
 the script checks that the two agree (the output or input gradient to the rounding of the dtype,
@@ -18,16 +21,16 @@ is larger), then times, in turns (``time_interleaved``): a copy of the same byte
 this tree's call without the bias and probabilities (what the variant adds), when both are on
 this tree's call with the bias alone (``bias only``: the reference a weighted call with a bias
 is held to), the baseline's call, this tree's, this tree's with each ``--candidate`` set of
-``triton_kernels`` constants (with a bias and probabilities, also that candidate's own bias-only
-call), and each ``--variant``'s. It prints time / floor, the ratio of this tree to the baseline
-and, for weighted calls with a bias, each call's ratio to its bias-only one. Session 8's
-measurements of the weighted and bias backward (docs/bench/history.md, runs 31-33) were taken with
-ad-hoc scripts of this form; session 9's (runs 34-35) with this one.
+``triton_plans.LaunchOptions`` fields (with a bias and probabilities, also that candidate's own
+bias-only call), and each ``--variant``'s. It prints time / floor, the ratio of this tree to the
+baseline and, for weighted calls with a bias, each call's ratio to its bias-only one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
 import importlib.util
 import json
 import math
@@ -44,38 +47,73 @@ sys.path.insert(0, str(ROOT))
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec  # noqa: E402
 from mcore_activations.fusions import activation_kernels as ak  # noqa: E402
 from mcore_activations.fusions import triton_kernels as tk  # noqa: E402
+from mcore_activations.fusions.triton_plans import LaunchOptions  # noqa: E402
 from tools.benchmark_activations import copy_fn, time_interleaved  # noqa: E402
-from tools.benchmark_kernel_variants import (  # noqa: E402
-    GLU_CASES,
-    _with_constants,
-    check_formulation,
-)
+from tools.kernel_variants.common import GLU_CASES, check_formulation, with_options  # noqa: E402
 
-KERNELS = "mcore_activations/fusions/triton_kernels.py"
+FUSIONS = "mcore_activations/fusions"
+KERNELS = f"{FUSIONS}/triton_kernels.py"
+# The kernels' modules since the split, in import order; each imports the ones before it.
+SPLIT = ("triton_jit", "triton_plans", "triton_kernels")
 CASES = GLU_CASES | {
     "squared-ReLU": (ActivationSpec(ActivationKind.SQUARED_RELU), torch.bfloat16),
 }
 
 
 def load_baseline(rev: str, directory: str, name: str = "baseline_triton_kernels"):
-    """``triton_kernels`` as of git revision ``rev`` (or of the file at path ``rev``), imported
-    as module ``name`` from a copy in ``directory``."""
-    if Path(rev).is_file():
-        source = Path(rev).read_text()
-    else:
-        source = subprocess.run(
-            ["git", "show", f"{rev}:{KERNELS}"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    path = Path(directory) / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    """``triton_kernels`` as of git revision ``rev`` (or of the copy at path ``rev``: a file, or
+    a directory of the split modules), imported under ``name`` from copies in ``directory``.
+
+    A split revision's three modules import one another by their absolute names: the copies'
+    imports are rewritten to the copies' package, so nothing of this tree's kernels is mixed in.
+    """
+    sources = _baseline_sources(rev)
+    if list(sources) == ["triton_kernels"]:
+        path = Path(directory) / f"{name}.py"
+        path.write_text(sources["triton_kernels"])
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    package = Path(directory) / name
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for module_name, source in sources.items():
+        for other in SPLIT:
+            source = source.replace(f"mcore_activations.fusions.{other}", f"{name}.{other}")
+            source = source.replace(
+                f"from mcore_activations.fusions import {other}", f"from {name} import {other}"
+            )
+        (package / f"{module_name}.py").write_text(source)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    importlib.invalidate_caches()
+    module = importlib.import_module(f"{name}.triton_kernels")
+    module.__name__ = name  # the label tools print
     return module
+
+
+def _baseline_sources(rev: str) -> dict:
+    """``{module: source}`` of ``rev``'s kernels: ``triton_kernels`` alone (the single file of
+    the revisions before the split) or the three split modules."""
+    path = Path(rev)
+    if path.is_file():
+        return {"triton_kernels": path.read_text()}
+    if path.is_dir():
+        return {m: (path / f"{m}.py").read_text() for m in SPLIT}
+
+    def show(file: str):
+        done = subprocess.run(
+            ["git", "show", f"{rev}:{file}"], cwd=ROOT, capture_output=True, text=True
+        )
+        return done.stdout if done.returncode == 0 else None
+
+    if show(f"{FUSIONS}/triton_plans.py") is None:
+        source = show(KERNELS)
+        if source is None:
+            raise ValueError(f"{rev}: no {KERNELS} there")
+        return {"triton_kernels": source}
+    return {m: show(f"{FUSIONS}/{m}.py") for m in SPLIT}
 
 
 def parse_variant(text: str) -> tuple[str, str]:
@@ -98,9 +136,9 @@ def parse_candidate(text: str) -> dict:
             raise argparse.ArgumentTypeError(
                 f"--candidate wants NAME=VALUE[,NAME=VALUE...], got {text!r}"
             )
-        if not hasattr(tk, name.strip()):
+        if name.strip() not in {f.name for f in dataclasses.fields(LaunchOptions)}:
             raise argparse.ArgumentTypeError(
-                f"--candidate: triton_kernels has no constant {name.strip()!r}"
+                f"--candidate: LaunchOptions has no field {name.strip()!r}"
             )
         try:
             constants[name.strip()] = ast.literal_eval(value.strip())
@@ -178,6 +216,14 @@ def bench_case(
             return lambda: module.triton_backward(v, grad, x, b, p, params)
         return lambda: module.triton_forward(v, x, b, p, params)
 
+    def candidate(fields, v=variant, b=bias, p=probs):
+        # This tree's call under production's launch options with ``fields`` replaced.
+        if backward:
+            return with_options(
+                fields, lambda o: tk.triton_backward(v, grad, x, b, p, params, options=o)
+            )
+        return with_options(fields, lambda o: tk.triton_forward(v, x, b, p, params, options=o))
+
     theirs = call(baseline)()
     for label, module in [("this tree", tk), *variants]:
         ours = call(module)()
@@ -185,8 +231,8 @@ def bench_case(
         for i, (mine, base) in enumerate(pairs):
             if i == 0:
                 # 16 float32 units of the largest value (at least the default 2 of the dtype): a
-                # source that evaluates a formula another way (session 11's tanh) rounds
-                # differently, most where 1 - tanh**2 cancels.
+                # source that evaluates a formula another way (a tanh from another identity)
+                # rounds differently, most where 1 - tanh**2 cancels.
                 eps = torch.finfo(base.dtype).eps
                 units = max(2, math.ceil(16 * torch.finfo(torch.float32).eps / eps))
                 check_formulation(f"{label} against the baseline", mine, base, units=units)
@@ -208,12 +254,11 @@ def bench_case(
     group["baseline"] = call(baseline)
     group["this tree"] = call(tk)
     for constants in candidates:
-        group[candidate_label(constants)] = _with_constants(tk, constants, call(tk))
+        group[candidate_label(constants)] = candidate(constants)
         if has_bias and has_probs:
             # A candidate may move the bias-only call too (plans shared with it): its own
             # reference, so the 5 % target reads within the candidate.
-            bias_only_call = call(tk, bias_only, bias, None)
-            group[bias_only_label(constants)] = _with_constants(tk, constants, bias_only_call)
+            group[bias_only_label(constants)] = candidate(constants, bias_only, bias, None)
     for label, module in variants:
         group[label] = call(module)
     with torch.no_grad():

@@ -21,17 +21,20 @@ warps an SM holds (65536 registers; 64 per thread leaves 32 warps of 4-warp prog
 36), and so how much memory traffic hides latency. An SM issues one instruction per clock per
 scheduler, so a kernel with many instructions per element can be bound by issue, not memory.
 
-``--candidate`` sets ``triton_kernels`` constants first (as ``benchmark_kernel_ab`` does), so a
-plan can be read in SASS before it is timed.
+``--candidate`` compiles this tree's kernels under ``triton_plans.LaunchOptions`` with those
+fields replaced (as ``benchmark_kernel_ab`` does), so a plan can be read in SASS before it is
+timed.
 
-``--compare REV`` (a git revision or a copy of ``triton_kernels.py``) prints, per kernel,
+``--compare REV`` (a git revision, or a copy as ``benchmark_kernel_ab.load_baseline`` takes one:
+the single ``triton_kernels.py`` of a revision before the split, or a directory of the split
+modules) prints, per kernel,
 whether this tree's SASS is identical to ``REV``'s: a refactor that compiles to the same
 machine code keeps every timing and GPU test result taken on ``REV``.
 
 This is how the weighted clamped SwiGLU backward's 13 % over the unweighted one was traced
-(docs/bench/history.md, session 8): 64 registers and a load span of 63 instructions, against 48
+(docs/bench/history.md): 64 registers and a load span of 63 instructions, against 48
 registers and 19 for the unweighted kernel. The instruction count found the cost of
-``tl.exp``'s subnormal guard (session 10): SiTU-GLU(4,25)'s bf16 forward issued 61 instructions
+``tl.exp``'s subnormal guard: SiTU-GLU(4,25)'s bf16 forward issued 61 instructions
 per element, 49 with ``tl.exp2``. It is a diagnostic, not a benchmark: the times come from the
 H200 runs.
 """
@@ -39,6 +42,7 @@ H200 runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -63,10 +67,26 @@ _DATA_POINTERS = {"x_ptr", "grad_ptr", "bias_ptr", "out_ptr", "dx_ptr"}
 _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
-def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool, kernels=tk):
+def kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool, kernels=tk, options=None):
     """The kernel and launch plan ``triton_forward`` / ``triton_backward`` pick for variant ``v``
     at width ``F`` (the flat kernels for non-gated calls without a reduction); ``kernels`` is the
-    ``triton_kernels`` module to take them from."""
+    ``triton_kernels`` module to take them from (this tree's, or one ``load_baseline`` loaded:
+    split, with its ``plans``, or a single file from before the split), ``options`` the
+    ``LaunchOptions`` of a split one (None: production's)."""
+    if not hasattr(kernels, "plans"):
+        return _single_file_kernel_and_plan(v, F, rows, itemsize, backward, kernels)
+    plans = kernels.plans
+    options = options or plans.DEFAULT_OPTIONS
+    if plans.uses_flat_kernel(v, backward, options):
+        kernel = kernels._unary_bwd_flat_kernel if backward else kernels._unary_fwd_flat_kernel
+        return kernel, plans.flat_plan(v, backward, rows * F, itemsize, options)
+    if backward:
+        return kernels._activation_bwd_kernel, plans.backward_plan(v, F, itemsize, options)
+    return kernels._activation_fwd_kernel, plans.forward_plan(v, F, itemsize, options)
+
+
+def _single_file_kernel_and_plan(v, F: int, rows: int, itemsize: int, backward: bool, kernels):
+    # A revision from before the kernels were split in three: its plans are private functions.
     if kernels.uses_flat_kernel(v, backward):
         kernel = kernels._unary_bwd_flat_kernel if backward else kernels._unary_fwd_flat_kernel
         return kernel, kernels._flat_shape(v, kernel, rows * F, itemsize)
@@ -226,18 +246,18 @@ def main(argv=None):
     parser.add_argument(
         "--compare",
         metavar="REV",
-        help="report whether each kernel's SASS is identical to that of REV (a git revision or a "
-        "copy of triton_kernels.py) instead of registers and load spans",
+        help="report whether each kernel's SASS is identical to that of REV (a git revision, a "
+        "copy of a single-file triton_kernels.py, or a directory of the split modules) instead "
+        "of registers and load spans",
     )
     parser.add_argument(
         "--candidate",
         type=parse_candidate,
         default={},
-        help="NAME=VALUE[,NAME=VALUE...]: triton_kernels constants to set first",
+        help="NAME=VALUE[,NAME=VALUE...]: LaunchOptions fields to compile this tree's kernels with",
     )
     args = parser.parse_args(argv)
-    for name, value in args.candidate.items():
-        setattr(tk, name, value)
+    args.options = dataclasses.replace(tk.plans.DEFAULT_OPTIONS, **args.candidate)
     names = args.cases
     unknown = [n for n in names if n not in CASES]
     if unknown:
@@ -247,12 +267,15 @@ def main(argv=None):
         other = None
         if args.compare:
             other = load_baseline(args.compare, tmp, "compared_triton_kernels")
-            missing = [] if hasattr(other, "_row_split") else ["_row_programs"]
-            missing = [n for n in ("uses_flat_kernel", *missing) if not hasattr(other, n)]
+            split = hasattr(other, "plans")
+            missing = [] if split or hasattr(other, "_row_split") else ["_row_programs"]
+            missing = [
+                n for n in ("uses_flat_kernel", *missing) if not split and not hasattr(other, n)
+            ]
             if missing:
                 parser.error(
                     f"--compare: {args.compare}'s triton_kernels has no {', '.join(missing)} "
-                    "(added in session 8, 2026-12-01); compare against a later revision"
+                    "(added on 2026-12-01); compare against a later revision"
                 )
         candidate = candidate_label(args.candidate)
         print(
@@ -285,14 +308,26 @@ def elements_per_thread(plan) -> int:
     return max(1, tile // (32 * plan[2]["num_warps"]))
 
 
-def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool):
-    kernel, plan = kernel_and_plan(v, args.ffn, args.rows, dtype.itemsize, backward, kernels)
+def _compiled(kernels, v, args, dtype, has_probs: bool, backward: bool, options=None):
+    kernel, plan = kernel_and_plan(
+        v, args.ffn, args.rows, dtype.itemsize, backward, kernels, options
+    )
     # The integers' values at a launch of [rows, F], for Triton's specialisation of them.
     ints = {"rows": args.rows, "F": args.ffn, "n": args.rows * args.ffn}
     if backward and plan[1] is not None:  # the tiled backward kernel
-        if hasattr(kernels, "_row_split"):
+        if hasattr(kernels, "plans"):
+            split = kernels.plans.row_split(
+                v,
+                args.rows,
+                args.ffn,
+                plan,
+                dtype.itemsize,
+                options or kernels.plans.DEFAULT_OPTIONS,
+            )
+            rows_per_program = split[1]
+        elif hasattr(kernels, "_row_split"):
             rows_per_program = kernels._row_split(v, args.rows, args.ffn, plan, dtype.itemsize)[1]
-        else:  # a revision before session 13
+        else:  # a revision from before the row split had its own function
             col_blocks = -(-args.ffn // plan[1])
             rows_per_program = kernels._row_programs(v, args.rows, plan[0], col_blocks)[0]
         ints["rows_per_program"] = rows_per_program
@@ -303,7 +338,7 @@ def _cell(spec, args, dtype, has_probs: bool, backward: bool, other) -> str:
     """One table cell: the report of this tree's kernel, or with ``other`` (a ``triton_kernels``
     module) whether both compile to the same SASS."""
     v = ak.KernelVariant.of(spec, has_bias=args.bias, has_probs=has_probs)
-    mine, plan = _compiled(tk, v, args, dtype, has_probs, backward)
+    mine, plan = _compiled(tk, v, args, dtype, has_probs, backward, args.options)
     if other is None:
         r = sass_report(mine)
         n = elements_per_thread(plan)

@@ -203,6 +203,8 @@ FLOORS = (
         "mcore_activations.te_lowering",
         "mcore_activations.reference_mlp",
         "mcore_activations.fusions.activation_kernels",
+        "mcore_activations.fusions.triton_jit",
+        "mcore_activations.fusions.triton_plans",
         "mcore_activations.fusions.triton_kernels",
     },
     {"mcore_activations.fusions."},  # the ops, the autograd Function, upstream's entry points

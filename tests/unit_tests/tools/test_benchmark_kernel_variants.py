@@ -5,7 +5,8 @@ import torch
 
 from megatron.core.fusions import activation_kernels as ak
 from megatron.core.transformer.activation_spec import interleave_glu
-from tools.benchmark_kernel_variants import SPECS, check_formulation, layout_formulations
+from tools.kernel_variants.common import SPECS, check_formulation
+from tools.kernel_variants.compile_layout import layout_formulations
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -73,7 +73,7 @@ def test_launch_signature_specialises_integers_as_a_launch_does():
     spec = ak.ActivationSpec(ak.ActivationKind.SILU, gated=True, clamp_value=7.0)
     v = ak.KernelVariant.of(spec, has_bias=True, has_probs=True)
     names = tk._activation_bwd_kernel.arg_names
-    plan = tk._backward_plan(v, 8192, 2)
+    plan = tk.plans.backward_plan(v, 8192, 2)
     for rows_per_program in (1, 128):
         ints = {"rows": 1, "F": 8192, "rows_per_program": rows_per_program}
         signature, constants, attrs, options = launch_signature(
@@ -87,7 +87,7 @@ def test_launch_signature_specialises_integers_as_a_launch_does():
         assert options == {"num_warps": plan[2]["num_warps"]}
     # The forward kernel has no opt-outs: 48 is hinted, 7 is not, 2**31 rows take 64 bits (the
     # values need not fit the plan's width: only their specialisation is looked at).
-    forward = tk._forward_plan(v, 8192, 2)
+    forward = tk.plans.forward_plan(v, 8192, 2)
     ints = {"rows": 48, "F": 7}
     signature, constants, attrs, _ = launch_signature(
         tk._activation_fwd_kernel, forward, torch.bfloat16, False, False, ints
@@ -137,16 +137,16 @@ def test_inspect_kernel_sass_compiles_for_sm90_without_a_gpu():
 
 
 def test_parse_candidate_and_shape():
-    assert parse_candidate("_BIAS_PROGRAMS=4096,_BWD_PROBS_MAX_REGISTERS=None") == {
-        "_BIAS_PROGRAMS": 4096,
-        "_BWD_PROBS_MAX_REGISTERS": None,
+    assert parse_candidate("bias_programs=4096,bwd_probs_max_registers=None") == {
+        "bias_programs": 4096,
+        "bwd_probs_max_registers": None,
     }
-    with pytest.raises(argparse.ArgumentTypeError, match="no constant '_NOT_A_CONSTANT'"):
-        parse_candidate("_NOT_A_CONSTANT=1")
+    with pytest.raises(argparse.ArgumentTypeError, match="no field '_BIAS_PROGRAMS'"):
+        parse_candidate("_BIAS_PROGRAMS=1")
     with pytest.raises(argparse.ArgumentTypeError, match="NAME=VALUE"):
-        parse_candidate("_BIAS_PROGRAMS")
+        parse_candidate("bias_programs")
     with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
-        parse_candidate("_BIAS_PROGRAMS=many")
+        parse_candidate("bias_programs=many")
     assert parse_shape("65536x1536") == (65536, 1536)
     with pytest.raises(argparse.ArgumentTypeError, match="ROWSxWIDTH"):
         parse_shape("65536")
@@ -158,15 +158,35 @@ def test_load_baseline_imports_the_kernels_of_a_commit(tmp_path):
     assert callable(baseline.triton_backward) and callable(baseline.triton_forward)
 
 
+def _split_copy(directory: Path, plans_edit=("", "")) -> Path:
+    # A copy of this tree's three kernel modules, as the GPU machine's snapshot would hold one.
+    directory.mkdir()
+    for name in ("triton_jit", "triton_plans", "triton_kernels"):
+        source = (ROOT / f"mcore_activations/fusions/{name}.py").read_text()
+        if name == "triton_plans" and plans_edit[0]:
+            assert plans_edit[0] in source
+            source = source.replace(*plans_edit)
+        (directory / f"{name}.py").write_text(source)
+    return directory
+
+
 def test_load_baseline_imports_a_copy_of_the_kernels_from_a_path(tmp_path):
     # The GPU machine has a snapshot of the tree without git: baselines and variants come as
-    # files. A modified copy proves the module is the file's, not this tree's.
-    source = (ROOT / "mcore_activations/fusions/triton_kernels.py").read_text()
-    copy = tmp_path / "variant.py"
-    copy.write_text(source + "\nMARKER = 'the copy'\n")
-    module = load_baseline(str(copy), str(tmp_path), "variant_0_triton_kernels")
-    assert module.__name__ == "variant_0_triton_kernels" and module.MARKER == "the copy"
-    assert callable(module.triton_backward)
+    # files, a single file from before the kernels were split in three, or a directory of the
+    # three. A modified copy proves the modules are the copy's, not this tree's.
+    old = tmp_path / "old.py"
+    old.write_text("def triton_forward():\n    pass\n\n\ndef triton_backward():\n    pass\n")
+    module = load_baseline(str(old), str(tmp_path), "variant_0_triton_kernels")
+    assert module.__name__ == "variant_0_triton_kernels" and callable(module.triton_backward)
+    edit = ("    bias_programs: int = 1024\n", "    bias_programs: int = 7\n")
+    copy = _split_copy(tmp_path / "split", edit)
+    module = load_baseline(str(copy), str(tmp_path), "variant_1_triton_kernels")
+    assert module.__name__ == "variant_1_triton_kernels" and callable(module.triton_backward)
+    assert module.plans.DEFAULT_OPTIONS.bias_programs == 7
+    assert module.plans.__name__ == "variant_1_triton_kernels.triton_plans"
+    from mcore_activations.fusions import triton_plans
+
+    assert triton_plans.DEFAULT_OPTIONS.bias_programs == 1024
 
 
 def test_parse_variant():
@@ -180,25 +200,21 @@ def test_parse_variant():
 def test_variant_labels_never_replace_another_column():
     # A variant labelled like the floor (or any other column) would silently replace its
     # timing, and every ratio of the row with it.
-    candidates = [{"_BIAS_PROGRAMS": 2048}]
+    candidates = [{"bias_programs": 2048}]
     assert check_variant_labels([("prefetch", "a.py"), ("old", "HEAD~1")], candidates) is None
-    for label in ("floor", "plain", "bias only", "this tree", "baseline", "_BIAS_PROGRAMS=2048"):
+    for label in ("floor", "plain", "bias only", "this tree", "baseline", "bias_programs=2048"):
         assert "already a column" in check_variant_labels([(label, "a.py")], candidates)
     assert "'a'" in check_variant_labels([("a", "x.py"), ("a", "y.py")], [])
     # A candidate's own bias-only timing is a column too.
-    own = check_variant_labels([("bias only, _BIAS_PROGRAMS=2048", "a.py")], candidates)
+    own = check_variant_labels([("bias only, bias_programs=2048", "a.py")], candidates)
     assert "already a column" in own
 
 
 def test_inspect_kernel_sass_compares_sass_with_another_copy(tmp_path):
     """``--compare`` compiles this tree's kernels and another copy's: a copy whose weighted
     backward runs on twice the warps differs there and only there."""
-    source = (ROOT / "mcore_activations/fusions/triton_kernels.py").read_text()
-    assert "_BWD_PROBS_COLUMNS_PER_WARP = 256\n" in source
-    copy = tmp_path / "triton_kernels.py"
-    copy.write_text(
-        source.replace("_BWD_PROBS_COLUMNS_PER_WARP = 256\n", "_BWD_PROBS_COLUMNS_PER_WARP = 128\n")
-    )
+    old = "    bwd_probs_columns_per_warp: int = 256"
+    copy = _split_copy(tmp_path / "copy", (old, old.replace("256", "128")))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Without a bias: with one, the unweighted GLU backward at F = 1536 takes the weighted
     # one-row plan, and so the same columns per warp.
@@ -214,15 +230,14 @@ def test_inspect_kernel_sass_candidate_sets_constants_before_compiling(tmp_path)
     """``--candidate`` changes this tree's constants only: against an unchanged copy, twice the
     warps for the weighted backward differ there and only there (as the edited copy does in the
     test above)."""
-    copy = tmp_path / "triton_kernels.py"
-    copy.write_text((ROOT / "mcore_activations/fusions/triton_kernels.py").read_text())
+    copy = _split_copy(tmp_path / "copy")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     command = [sys.executable, "tools/inspect_kernel_sass.py", "--ffn", "1536"]
     command += ["--cases", "SwiGLU(clamp=7)", "--compare", str(copy)]
-    command += ["--candidate", "_BWD_PROBS_COLUMNS_PER_WARP=128"]
+    command += ["--candidate", "bwd_probs_columns_per_warp=128"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "_BWD_PROBS_COLUMNS_PER_WARP=128" in result.stdout.splitlines()[0]
+    assert "bwd_probs_columns_per_warp=128" in result.stdout.splitlines()[0]
     row = [line for line in result.stdout.splitlines() if line.startswith("| SwiGLU(clamp=7)")]
     assert row == ["| SwiGLU(clamp=7) | same | same | same | differs |"], result.stdout
 

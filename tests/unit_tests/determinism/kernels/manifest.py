@@ -15,7 +15,11 @@ _REPLAY = "tests/unit_tests/determinism/kernels/test_replay.py"
 KERNELS = [
     {
         "name": "triton-activation-kernels",
-        "sources": ["mcore_activations/fusions/triton_kernels.py"],
+        "sources": [
+            "mcore_activations/fusions/triton_jit.py",
+            "mcore_activations/fusions/triton_plans.py",
+            "mcore_activations/fusions/triton_kernels.py",
+        ],
         "tests": [
             f"{_REPLAY}::test_triton_kernels_replay_bitwise",
             f"{_REPLAY}::test_ops_replay_in_a_fresh_process",
