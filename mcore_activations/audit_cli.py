@@ -1,4 +1,5 @@
-"""Command-line plumbing both activation audits share: the parser and the command's name."""
+"""Command-line plumbing both activation audits share: the parser, the command's name, the
+progress lines and one copy of each warning."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def one_copy_of_each_warning():
         yield
     finally:
         warnings.showwarning = original
+
+
+def progress_printer(total: int):
+    """A progress callback of the audit runner: ``[done/total] path / activation: status`` on
+    stderr, one line per cell, counted across every table the command prints."""
+    done = 0
+
+    def progress(cell) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{total}] {cell.path} / {cell.activation}: {cell.status}", file=sys.stderr)
+
+    return progress

@@ -197,11 +197,13 @@ FLOORS = (
     {"mcore_activations.activations"},
     {"mcore_activations.activation_spec"},
     # one floor up from the spec: the TE seam and every lowering of a spec (kernels, TE ops,
-    # the float64 reference MLP)
+    # the float64 reference MLP), and the audits' catalogue and runner, which read specs
     {
         "mcore_activations.te_import",
         "mcore_activations.te_lowering",
         "mcore_activations.reference_mlp",
+        "mcore_activations.activation_catalogue",
+        "mcore_activations.audit_runner",
         "mcore_activations.fusions.activation_kernels",
         "mcore_activations.fusions.triton_jit",
         "mcore_activations.fusions.triton_plans",

@@ -8,23 +8,22 @@ forward and backward, and compares the output, the input gradient and every para
 with a float64 evaluation of ``ActivationSpec.reference`` on the same weights (max |error| over
 max |reference|). The TE fused classes are compared with their unfused parent class on the same
 weights instead (||error|| / ||parent||), which isolates the activation from TE's GEMMs. The
-cells use the words of :mod:`mcore_activations.audit_cells`; the exit status is 1 if any cell is
-a mismatch or an error and 2 on a usage error (checked before anything runs). Progress goes to
+cells come from :mod:`mcore_activations.audit_runner`, the runner ``mcore-activations-audit``
+uses too, in the words of :mod:`mcore_activations.audit_cells`; the columns are the fork audit's
+entries of :mod:`mcore_activations.activation_catalogue`. The exit status is 1 if any cell is a
+mismatch or an error and 2 on a usage error (checked before anything runs). Progress goes to
 stderr, one line per cell. ``--help`` shows examples (:data:`EXAMPLES`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import sys
-import traceback
 
 import torch
 
-from mcore_activations import audit_config
+from mcore_activations import audit_config, audit_runner
 from mcore_activations.activation_spec import ActivationSpec
 from mcore_activations.audit_cells import (
     ERROR,
@@ -34,24 +33,25 @@ from mcore_activations.audit_cells import (
     REFUSED,
     UNAVAILABLE,
     UPSTREAM_RULE,
-    reason,
 )
 from mcore_activations.audit_cli import (
     AuditArgumentParser,
     command_name,
     one_copy_of_each_warning,
+    progress_printer,
 )
 from mcore_activations.audit_config import ACTIVATION_OPTIONS as _ACTIVATION_OPTIONS
 from mcore_activations.audit_config import CONFIG_FILE_FIELDS
+from mcore_activations.audit_runner import Cell
 from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - the audit's names
     BUILT_IN,
     EXPERTS,
     FFN,
     FUNCTIONS,
     HIDDEN,
+    SETTINGS,
     TOKENS,
     TOLERANCE,
-    Cell,
     Path,
     _config,
     _grouped_reference,
@@ -61,169 +61,10 @@ from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - t
 )
 
 
-# ----------------------------------------------------------------------------- running
-def _scale_fc1(module, std=8.0):
-    """Scales fc1 weights so pre-activations have std ~``std``: clamps and tanh scales bite.
-
-    Biases (zero after Megatron's init) get random values too, so a path that drops or misplaces
-    a bias changes the output, not only a gradient.
-    """
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            if "linear_fc1.weight" in name and param.dim() == 2:
-                param.normal_(0.0, std / math.sqrt(param.shape[1]))
-            elif ".bias" in name and "layer_norm" not in name:
-                param.normal_(0.0, 1.0)
-
-
-def _max_rel(got, ref):
-    got, ref = got.detach().double(), ref.detach().double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
-
-
-# Why a compared quantity has no finite error; the cell names it instead of a number.
-NON_FINITE = "non-finite values (NaN or inf) in the layer's result"
-NO_GRADIENT = "the layer gives no gradient where the reference has one"
-EXTRA_GRADIENT = "the layer gives a gradient where the reference has none"
-
-
-def _run(path, module, x, probs, tpe, grad=None, generator=None):
-    x_in = x.clone().requires_grad_()
-    out = path.run(module, x_in, probs, tpe)
-    if grad is None:
-        grad = torch.randn(out.shape, generator=generator).to(device=x.device, dtype=out.dtype)
-    out.backward(grad)
-    return out, x_in.grad, {name: p.grad for name, p in module.named_parameters()}, grad
-
-
-def _grads_in_checkpoint_layout(module) -> dict:
-    """Parameter gradients, laid out as ``module.state_dict()`` lays out the parameters.
-
-    A fused class may hold a weight in another memory layout than its unfused parent and convert
-    in its state-dict hooks (FusedSharedExpertMLP keeps fc1 block-interleaved for the grouped op
-    and saves [gate; linear] halves). Reading the state dict with every parameter's data swapped
-    for its gradient runs those same hooks on the gradients, so a fused class's gradients compare
-    element by element with its parent's; for every other module this is the identity.
-
-    Raises:
-        ValueError: a parameter is a tensor subclass (e.g. a quantized Transformer Engine
-            weight, whose ``.data`` setter quantizes or copies in place, so swapping is unsafe),
-            or a state-dict hook renamed a parameter's key.
-    """
-    params = dict(module.named_parameters())
-    for name, p in params.items():
-        if type(p) is not torch.nn.Parameter:
-            raise ValueError(
-                f"activation audit: parameter {name!r} of {type(module).__name__} is a "
-                f"{type(p).__name__}; the audit compares unquantized parameters only. Build the "
-                "layer without quantized primary weights (e.g. te_fused_recipe='none')."
-            )
-    saved = {name: p.data for name, p in params.items()}
-    try:
-        with torch.no_grad():
-            for p in params.values():
-                if p.grad is not None:
-                    p.data = p.grad
-            state = module.state_dict()
-    finally:
-        with torch.no_grad():
-            for name, p in params.items():
-                p.data = saved[name]
-    missing = [name for name, p in params.items() if p.grad is not None and name not in state]
-    if missing:
-        raise ValueError(
-            f"activation audit: the state_dict of {type(module).__name__} has no entries for "
-            f"parameters {missing}; its hooks rename keys, so gradients cannot be matched by name."
-        )
-    return {
-        name: None if p.grad is None else state[name].detach().clone() for name, p in params.items()
-    }
-
-
-def _norm_rel(got, ref):
-    got, ref = got.detach().double(), ref.detach().double()
-    if not torch.isfinite(got).all():
-        return math.inf
-    return ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def _errors(out, dx, grads, ref_out, ref_dx, ref_grads, metric=_max_rel) -> tuple[dict, dict]:
-    """``({quantity: error}, {quantity: why it has no finite error})`` of one layer run."""
-    errors = {"output": metric(out, ref_out), "dx": metric(dx, ref_dx)}
-    problems = {}
-    for name, got in grads.items():
-        expected = ref_grads.get(name)
-        if got is None or expected is None:
-            if (got is None) != (expected is None):
-                problems[f"d{name}"] = NO_GRADIENT if got is None else EXTRA_GRADIENT
-            continue
-        errors[f"d{name}"] = metric(got, expected)
-    for name, error in errors.items():
-        if not math.isfinite(error):
-            problems[name] = NON_FINITE
-    return {k: v for k, v in errors.items() if k not in problems}, problems
-
-
 def audit_cell(path: Path, act_name: str, kwargs: dict, device, dtype) -> Cell:
-    """Builds one path for one activation and checks what it computes.
-
-    Paths with an unfused parent (the TE fused classes) are compared with that parent on the
-    same weights, loaded through ``state_dict``: both run the same linears, so any difference is
-    the activation (or the weight layout). Every other path is compared with the float64
-    reference evaluated on the layer's weights.
-    """
-    from mcore_activations.activation_spec import UnsupportedActivationError
-
-    torch.manual_seed(1234)
-    try:
-        module = path.build(kwargs, device)
-    except (UnsupportedActivationError, RuntimeError, NotImplementedError) as err:
-        return Cell(path.name, act_name, REFUSED, detail=reason(err, limit=400))
-    except (ValueError, AssertionError) as err:
-        # The config rules upstream states as ValueError (TransformerConfig) or assert (layers),
-        # which the fork keeps.
-        return Cell(path.name, act_name, UPSTREAM_RULE, detail=reason(err, limit=400))
-    module = module.to(dtype)
-    _scale_fc1(module)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device=device, dtype=dtype)
-    probs = torch.rand(TOKENS, 1, generator=gen).to(device=device, dtype=torch.float32)
-    tpe = [TOKENS // 2, 0, TOKENS // 4, TOKENS - TOKENS // 2 - TOKENS // 4]
-    out, dx, grads, grad = _run(path, module, x, probs, tpe, generator=gen)
-
-    if path.parent is not None:
-        parent = path.parent(kwargs, device).to(dtype)
-        parent.load_state_dict(module.state_dict())
-        p_out, p_dx, _, _ = _run(path, parent, x, probs, tpe, grad=grad)
-        # Gradients in the checkpoint layout both sides: the state dicts are what match.
-        grads = _grads_in_checkpoint_layout(module)
-        p_grads = _grads_in_checkpoint_layout(parent)
-        # ||a - b|| / ||b||, the fused-MLP PR's metric: the grouped GEMMs accumulate in another
-        # order than the parent's, which moves single elements by ~1e-5 of the largest.
-        errors, problems = _errors(out, dx, grads, p_out, p_dx, p_grads, metric=_norm_rel)
-        against = f"vs {type(parent).__name__} on the same weights"
-    else:
-        # The reference reads the parameters as the module holds them in memory, so the
-        # gradients are compared in that layout too (``grads`` as ``_run`` returned them).
-        params64 = {
-            name: p.detach().double().requires_grad_() for name, p in module.named_parameters()
-        }
-        x64 = x.double().requires_grad_()
-        ref = path.reference(params64, x64, module, probs.double(), tpe)
-        ref.backward(grad.double())
-        ref_grads = {name: p.grad for name, p in params64.items()}
-        errors, problems = _errors(out, dx, grads, ref, x64.grad, ref_grads)
-        against = "vs the float64 reference"
-    if problems:
-        # No number describes these; the cell carries no error value (JSON stays strict).
-        why = "; ".join(f"{name}: {reason}" for name, reason in problems.items())
-        return Cell(path.name, act_name, MISMATCH, None, f"{against}; {why}")
-    worst_name = max(errors, key=errors.get)
-    worst = errors[worst_name]
-    status = MATCH if worst <= TOLERANCE[dtype] else MISMATCH
-    return Cell(path.name, act_name, status, worst, f"{against}; worst: {worst_name}")
+    """One cell of this audit: :func:`mcore_activations.audit_runner.audit_cell` with its
+    :data:`SETTINGS`."""
+    return audit_runner.audit_cell(path, act_name, kwargs, device, dtype, SETTINGS)
 
 
 def _init_single_process_world(device):
@@ -246,9 +87,9 @@ def _init_single_process_world(device):
 
 
 def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None) -> list[Cell]:
-    """Runs every (path, activation) cell this machine can run.
+    """Runs every (path, activation) cell this machine can run, through the one audit runner.
 
-    ``progress``, if given, is called with ``(done, total, cell)`` after each cell.
+    ``progress``, if given, is called with each cell as soon as it is done.
     """
     from mcore_activations.te_import import TE_INSTALL_HINT, have_te
 
@@ -259,23 +100,10 @@ def run_audit(activations_to_run: dict, device, dtype, paths=None, progress=None
         no_te = "Transformer Engine runs on CUDA only (--device cuda)"
     else:
         no_te = None
-    cells = []
     paths = list(paths or all_paths())
-    total = len(paths) * len(activations_to_run)
-    for path in paths:
-        for act_name, kwargs in activations_to_run.items():
-            if path.needs_te and no_te:
-                cells.append(Cell(path.name, act_name, UNAVAILABLE, detail=no_te))
-            else:
-                try:
-                    cells.append(audit_cell(path, act_name, kwargs, device, dtype))
-                except Exception as err:  # noqa: BLE001 - report, never hide, unexpected failures
-                    detail = f"{type(err).__name__}: {reason(err, limit=400)}"
-                    cells.append(Cell(path.name, act_name, ERROR, detail=detail))
-                    traceback.print_exc(file=sys.stderr)
-            if progress is not None:
-                progress(len(cells), total, cells[-1])
-    return cells
+    return audit_runner.run_audit(
+        paths, activations_to_run, device, dtype, SETTINGS, no_te=no_te, progress=progress
+    )
 
 
 def format_table(cells: list[Cell], activation_names: list[str]) -> str:
@@ -499,9 +327,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     dtype = getattr(torch, args.dtype)
 
-    def progress(done, total, cell):
-        print(f"[{done}/{total}] {cell.path} / {cell.activation}: {cell.status}", file=sys.stderr)
-
+    progress = progress_printer(len(all_paths()) * len(to_run))
     with one_copy_of_each_warning():
         cells = run_audit(to_run, device, dtype, progress=progress)
     print(
@@ -512,7 +338,7 @@ def main(argv=None) -> int:
     print(legend(dtype), file=report)
     for c in cells:
         if c.status in (REFUSED, UPSTREAM_RULE, MISMATCH, ERROR) and c.detail:
-            print(f"- {c.path} / {c.activation}: {c.status}: {c.detail}", file=report)
+            print(f"- {c.path} / {c.activation}: {c.status}: {c.explanation()}", file=report)
     unavailable = {}  # reason -> paths, in table order
     for c in cells:
         if c.status == UNAVAILABLE:
@@ -521,7 +347,7 @@ def main(argv=None) -> int:
         print(f"- {', '.join(paths)}: {UNAVAILABLE}: {why}", file=report)
     if args.json:
         # Strict JSON: a non-finite number would be written as the non-JSON token Infinity.
-        payload = json.dumps([dataclasses.asdict(c) for c in cells], indent=1, allow_nan=False)
+        payload = json.dumps([c.to_json() for c in cells], indent=1, allow_nan=False)
         if json_file is None:
             print(payload)
         else:

@@ -7,15 +7,14 @@ command line are ``megatron.core.transformer.activation_audit``.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import warnings
-from collections.abc import Callable
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mcore_activations import activations
+from mcore_activations import activation_catalogue, activations
+from mcore_activations.audit_runner import AuditPath, AuditSettings, max_relative, with_bias
 from mcore_activations.fusions.fused_bias_geglu import quick_gelu
 from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
@@ -23,6 +22,39 @@ HIDDEN, FFN, EXPERTS, TOKENS = 64, 128, 4, 48
 
 # Relative tolerance (max |got - ref| / max |ref|) per compute dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Rows of each expert; one expert gets none, which a grouped path must handle.
+TOKENS_PER_EXPERT = (TOKENS // 2, 0, TOKENS // 4, TOKENS - TOKENS // 2 - TOKENS // 4)
+
+
+def _scale_fc1(module, generator=None, std=8.0):
+    """Scales fc1 weights so pre-activations have std ~``std``: clamps and tanh scales bite.
+
+    Biases (zero after Megatron's init) get random values too, so a path that drops or misplaces
+    a bias changes the output, not only a gradient. Draws from torch's global generator, which
+    the runner seeds before every build; ``generator`` (the inputs') is left untouched.
+    """
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if "linear_fc1.weight" in name and param.dim() == 2:
+                param.normal_(0.0, std / math.sqrt(param.shape[1]))
+            elif ".bias" in name and "layer_norm" not in name:
+                param.normal_(0.0, 1.0)
+
+
+def _probs(generator, device):
+    return torch.rand(TOKENS, 1, generator=generator).to(device=device, dtype=torch.float32)
+
+
+# This audit's inputs and judgement; mcore_activations.upstream_audit.SETTINGS is the other.
+SETTINGS = AuditSettings(
+    tokens=TOKENS,
+    hidden=HIDDEN,
+    tokens_per_expert=TOKENS_PER_EXPERT,
+    initialise=_scale_fc1,
+    probs=_probs,
+    metric=max_relative,
+    tolerance=TOLERANCE,
+)
 
 FUNCTIONS = {
     "silu": F.silu,
@@ -33,41 +65,9 @@ FUNCTIONS = {
     "squared_relu": activations.squared_relu,
 }
 
-# Column labels: the spec's name (ActivationSpec.name), after the model family where there is one;
-# mcore-activations-audit labels its columns the same way (GEGLU there is "GEGLU (erf)").
-BUILT_IN = {
-    "SwiGLU": dict(activation_func=F.silu, gated_linear_unit=True),
-    "DeepSeek-V4 SwiGLU(clamp=7)": dict(
-        activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=7.0
-    ),
-    "Kimi-K3 SiTU-GLU(s_g=4, s_l=25)": dict(
-        activation_func=F.silu,
-        gated_linear_unit=True,
-        activation_func_tanh_clamp_scale=4.0,
-        activation_func_tanh_clamp_scale_linear=25.0,
-    ),
-    "gpt-oss quick-GEGLU(clamp=7, offset=1)": dict(
-        activation_func=quick_gelu,
-        gated_linear_unit=True,
-        glu_linear_offset=1.0,
-        activation_func_clamp_value=7.0,
-    ),
-    "GEGLU": dict(activation_func=activations.fast_gelu, gated_linear_unit=True),
-    "squared-ReLU(tanh_scale=10)": dict(
-        activation_func=activations.squared_relu, activation_func_tanh_clamp_scale=10.0
-    ),
-}
-
-
-@dataclasses.dataclass
-class Cell:
-    """One (path, activation) result."""
-
-    path: str
-    activation: str
-    status: str  # a word of mcore_activations.audit_cells
-    max_rel_error: Optional[float] = None
-    detail: str = ""
+# The columns: the catalogue's entries for this audit, labelled in the one vocabulary (the model
+# family, then ActivationSpec.name), as mcore-activations-audit labels its own.
+BUILT_IN = activation_catalogue.columns(activation_catalogue.FORK_AUDIT, FUNCTIONS)
 
 
 # ----------------------------------------------------------------------------- references
@@ -84,16 +84,7 @@ def _grouped_reference(params, x, spec, config, tokens_per_expert, probs, dtype=
 
 
 # ----------------------------------------------------------------------------- paths
-@dataclasses.dataclass
-class Path:
-    """How to build, run and model one MLP code path."""
-
-    name: str
-    build: Callable  # (config_kwargs, device) -> module
-    run: Callable  # (module, x, probs, tokens_per_expert) -> output
-    reference: Callable  # (params64, x64, module, probs64, tokens_per_expert) -> output
-    needs_te: bool = False
-    parent: Optional[Callable] = None  # builds the unfused class to compare with, if any
+Path = AuditPath
 
 
 def _config(kwargs, **extra):
@@ -140,13 +131,13 @@ def _te_submodules(grouped=False):
 
 
 def _mlp(cls_path, submodules, **extra):
-    def build(kwargs, device):
+    def build(kwargs, device, dtype):
         import importlib
 
         module_name, cls_name = cls_path.rsplit(".", 1)
         cls = getattr(importlib.import_module(module_name), cls_name)
         config = _config(kwargs, **extra)
-        return cls(config, submodules(), ffn_hidden_size=FFN).to(device)
+        return cls(config, submodules(), ffn_hidden_size=FFN).to(device=device, dtype=dtype)
 
     return build
 
@@ -161,7 +152,7 @@ def _te_linear_submodules():
 
 
 def _shared(cls_name, te_linears=False, **extra):
-    def build(kwargs, device):
+    def build(kwargs, device, dtype):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.moe import shared_experts
 
@@ -169,34 +160,28 @@ def _shared(cls_name, te_linears=False, **extra):
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         cls = getattr(shared_experts, cls_name)
         submodules = _te_linear_submodules() if te_linears else _local_submodules()
-        return cls(config, submodules, gate=True, pg_collection=pgs).to(device)
+        layer = cls(config, submodules, gate=True, pg_collection=pgs)
+        return layer.to(device=device, dtype=dtype)
 
     return build
 
 
 def _experts(cls_name, grouped, **extra):
-    def build(kwargs, device):
+    def build(kwargs, device, dtype):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.moe import experts
 
         config = _config(kwargs, **extra)
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         submodules = _te_submodules(grouped=True) if grouped else _local_submodules()
-        return getattr(experts, cls_name)(EXPERTS, config, submodules, pg_collection=pgs).to(device)
+        layer = getattr(experts, cls_name)(EXPERTS, config, submodules, pg_collection=pgs)
+        return layer.to(device=device, dtype=dtype)
 
     return build
 
 
-def _with_bias(result):
-    # MLP-like layers return ``(output, output_bias)`` and leave adding fc2's bias to the caller
-    # (upstream fuses it with dropout). The reference includes that bias, so the audit adds it
-    # as the caller would: dropping it would leave the bias without a gradient.
-    output, bias = result
-    return output if bias is None else output + bias
-
-
 def _run_mlp(module, x, probs, tpe):
-    return _with_bias(module(x))
+    return with_bias(module(x))
 
 
 def _run_shared(module, x, probs, tpe):
@@ -204,7 +189,7 @@ def _run_shared(module, x, probs, tpe):
 
 
 def _run_experts(module, x, probs, tpe):
-    return _with_bias(module(x, torch.tensor(tpe), probs.reshape(-1)))
+    return with_bias(module(x, torch.tensor(tpe), probs.reshape(-1)))
 
 
 def _ref_mlp(params, x, module, probs, tpe):
