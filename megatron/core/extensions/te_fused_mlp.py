@@ -44,6 +44,20 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 __all__ = ["TEFusedMLP", "TEFusedMLPWithGroupedLinear", "TEFusedOpsMixin"]
 
 
+def _is_te_module(module: Any, name: str) -> bool:
+    """Whether ``module`` is an instance of TE's own ``te.pytorch.<name>`` (read at call time;
+    False where TE has no such class)."""
+    cls = getattr(getattr(te_import.te, "pytorch", None), name, None)
+    return isinstance(cls, type) and isinstance(module, cls)
+
+
+def _is_layer_norm_linear(module: Any) -> bool:
+    """A linear that applies the pre-MLP norm itself: the Megatron wrapper or TE's class."""
+    return isinstance(module, TELayerNormColumnParallelLinear) or _is_te_module(
+        module, "LayerNormLinear"
+    )
+
+
 class TEFusedMLP(TEFusedOpsMixin, MLP):
     """``MLP`` computed by one chain of Transformer Engine ops.
 
@@ -200,7 +214,9 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
     With tensor parallelism 1 the ops are ``GroupedLinear(fc1) -> Scaled<activation> ->
     GroupedLinear(fc2)`` with unit row scales, the chain TE fuses into one grouped-MLP kernel on
     SM100 GPUs under an MXFP8/NVFP4 recipe; the norm of a LayerNorm fc1 runs before it,
-    unquantized. With tensor parallelism > 1 the class runs :class:`TEFusedMLP`'s ops.
+    unquantized. With tensor parallelism > 1 the class runs :class:`TEFusedMLP`'s ops. At
+    tensor-parallel size 1 fc1 / fc2 may also be TE's own ``LayerNormLinear`` / ``Linear``, as
+    upstream's class allows.
 
     The recipe is chosen at construction by :func:`resolve_fused_recipe` (``"mxfp8"`` by
     default, as upstream; ``"none"`` runs unquantized and is what a GPU without MXFP8/NVFP4, such
@@ -365,6 +381,26 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
     def _tensor_parallel(self) -> bool:
         return self._get_te_ops_tensor_parallel_context()[0] > 1
 
+    def _check_fused_linears(self) -> None:
+        if self._tensor_parallel():
+            return super()._check_fused_linears()  # TEFusedMLP's ops run, on its linears
+        # The grouped ops read only a linear's weight, its wgrad flag and (fc1) its norm
+        # parameters, which TE's own modules have as the Megatron wrappers do.
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if not (isinstance(fc1, TEColumnParallelLinear) or _is_layer_norm_linear(fc1)):
+            raise ValueError(
+                f"{type(self).__name__} expects FC1 (linear_fc1) to be a "
+                "TELayerNormColumnParallelLinear, TEColumnParallelLinear or Transformer Engine "
+                f"LayerNormLinear, but found {type(fc1).__name__}."
+            )
+        if not (isinstance(fc2, TERowParallelLinear) or _is_te_module(fc2, "Linear")):
+            raise ValueError(
+                f"{type(self).__name__} expects FC2 (linear_fc2) to be a TERowParallelLinear or "
+                f"Transformer Engine Linear, but found {type(fc2).__name__}."
+            )
+        for linear in (fc1, fc2):
+            _te_ops_userbuffers_options(linear)  # a configured overlap this TE cannot run
+
     def _recipe(self):
         if self._fused_recipe is None:
             # Once, on first use (the first forward): the GPU is only known where the model runs.
@@ -380,12 +416,13 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         rng = self._get_te_ops_rng_state_tracker_function()
         ops = te_import.te.pytorch.ops
+        # The norm op is built before the recipe is asked for, so a normalization TE's ops lack
+        # is refused first; it holds no weight a recipe would quantize (fc1's is aliased).
+        self._norm_seq = None
+        if _is_layer_norm_linear(fc1):
+            norm = self._make_te_ops_norm_from_mcore_te_layernorm_linear(fc1, "linear_fc1")
+            self._norm_seq = (ops.Sequential(norm),)
         with fused_recipe_model_init(self._recipe()):
-            if isinstance(fc1, TELayerNormColumnParallelLinear):
-                norm = self._make_te_ops_norm_from_mcore_te_layernorm_linear(fc1, "linear_fc1")
-                self._norm_seq = (ops.Sequential(norm),)
-            else:
-                self._norm_seq = None
             fc1_op = self._make_te_ops_grouped_linear_from_mcore_te_linear(
                 fc1, module_name="linear_fc1", rng_state_tracker_function=rng
             )
@@ -404,7 +441,10 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
             ValueError: ``per_token_scale`` is given.
         """
         if self._tensor_parallel():
-            return super().forward(hidden_states, per_token_scale, **kwargs)
+            # As upstream's class: the caller's keywords go on to TEFusedMLP.forward as given.
+            if per_token_scale is not None:
+                kwargs["per_token_scale"] = per_token_scale
+            return super().forward(hidden_states, **kwargs)
         self._refuse_per_token_scale(per_token_scale)
         fused = self._get_fused_impl()
         shape = hidden_states.shape
