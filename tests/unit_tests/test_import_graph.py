@@ -154,8 +154,10 @@ LADDER = {
         "megatron.core.extensions.te_rng",
         "megatron.core.tensor_parallel.checkpoint_autograd",
         "megatron.core.tensor_parallel.checkpoint_fp8",
+        "megatron.core.tensor_parallel.rng_state",
         "mcore_activations.te_import",
     },
+    "megatron.core.tensor_parallel.rng_state": set(),
     "megatron.core.tensor_parallel.checkpoint_autograd": set(),
     "megatron.core.tensor_parallel.checkpoint_fp8": {"mcore_activations.te_import"},
     "megatron.core.tensor_parallel.cross_entropy": {

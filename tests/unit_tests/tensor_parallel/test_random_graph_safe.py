@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.tensor_parallel import rng_state
 from megatron.core.tensor_parallel.random import (
     CheckpointFunction,
     CudaRNGStatesTracker,
@@ -41,6 +42,7 @@ def _draw(n=8):
 
 def test_graph_safe_tracker_without_cuda_is_refused_naming_the_option(monkeypatch):
     monkeypatch.setattr(tp_random, "_use_cuda", lambda: False)
+    monkeypatch.setattr(rng_state, "_use_cuda", lambda: False)
     with pytest.raises(GraphSafeRNGUnavailableError, match="use_cudagraphable_rng=True") as info:
         CudaRNGStatesTracker(use_cudagraphable_rng=True)
     assert "CUDA device" in str(info.value)
@@ -53,8 +55,8 @@ def test_graph_safe_tracker_without_cuda_is_refused_naming_the_option(monkeypatc
 
 
 def test_graph_safe_tracker_without_the_pytorch_api_names_what_is_missing(monkeypatch):
-    monkeypatch.setattr(tp_random, "_use_cuda", lambda: True)
-    monkeypatch.setattr(tp_random, "_GRAPH_SAFE_API", ("clone_state", "graphsafe_teleport"))
+    monkeypatch.setattr(rng_state, "_use_cuda", lambda: True)
+    monkeypatch.setattr(rng_state, "_GRAPH_SAFE_API", ("clone_state", "graphsafe_teleport"))
     with pytest.raises(GraphSafeRNGUnavailableError, match="graphsafe_teleport"):
         CudaRNGStatesTracker(use_cudagraphable_rng=True)
 
@@ -99,7 +101,7 @@ def test_recomputation_copies_graph_safe_states_except_during_capture(monkeypatc
     assert copy is not state and torch.equal(copy.get_state(), state.get_state())
     tensor_state = torch.get_rng_state()
     assert tp_random._snapshot(tensor_state) is tensor_state
-    monkeypatch.setattr(tp_random, "_use_cuda", lambda: True)
+    monkeypatch.setattr(rng_state, "_use_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert tp_random._snapshot(state) is state
 
