@@ -2,14 +2,16 @@
 
 A layer (``MLP``, the routed experts, the shared experts; the fork's classes and, through
 ``mcore_activations.megatron_patch``, upstream's) turns its config into an
-:class:`ActivationSpec`, asks :func:`select_layer_activation` (or, for a layer that already holds
-its callable, :func:`select_activation_path`) once which path computes it, and calls
-:func:`activate` on every forward:
+:class:`ActivationSpec` and builds a :class:`LayerActivation` for it once, at construction
+(:func:`select_layer_activation`, or :func:`select_activation_path` for a layer that already
+holds its callable), which picks the path and refuses what that path cannot compute; every
+forward calls that object:
 
 - **Transformer Engine module** (``use_te_activation_func`` with a TE activation builder): TE's
   activation module. It takes no clamp, tanh scale or offset, so such a spec is refused.
-- **Fused kernels** (``bias_activation_fusion``): :func:`fused_activation`, which fuses the bias
-  add, every non-custom spec (clamps, SiTU-GLU, offsets) and the per-row probabilities.
+- **Fused kernels** (``bias_activation_fusion``): the fused kernels of ``fused_activation``, which
+  fuse the bias add, every non-custom spec (clamps, SiTU-GLU, offsets) and the per-row
+  probabilities; their variants and parameters are derived at construction.
 - **Unfused** (otherwise): :func:`unfused_activation`, plain torch ops calling the configured
   ``activation_func`` itself, so any callable works.
 
@@ -19,7 +21,7 @@ All three compute what :meth:`ActivationSpec.reference` defines.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -30,7 +32,12 @@ from mcore_activations.activation_spec import (
     unfused_activation,
 )
 from mcore_activations.fusions import in_place
-from mcore_activations.fusions.fused_activation import fused_activation, lower_to_fused_kernel
+from mcore_activations.fusions.fused_activation import (
+    fused_activation_with_plan,
+    lower_to_fused_kernel,
+)
+from mcore_activations.fusions.kernel_plan import KernelPlan
+from mcore_activations.te_import import have_te
 
 TE_MODULE_PATH = "te_module"
 FUSED_KERNEL_PATH = "fused_kernel"
@@ -82,12 +89,141 @@ def select_activation_path(
     return UNFUSED_PATH
 
 
-class LayerActivation(NamedTuple):
-    """What :func:`select_layer_activation` decided for a layer."""
+class LayerActivation:
+    """A layer's activation, decided at construction; called with fc1's output on every forward.
 
-    path: str  # TE_MODULE_PATH, FUSED_KERNEL_PATH or UNFUSED_PATH
-    activation_func: Callable  # the TE module on TE_MODULE_PATH, else the configured callable
-    fp8_input_store: bool  # the fused kernels keep their saved input in FP8
+    It holds everything the layer's activation needs, read from the config once: the spec, the
+    path, the callable (the TE module on ``TE_MODULE_PATH``) and, on ``FUSED_KERNEL_PATH``, the
+    kernels' variants and parameter tensors (``kernel_plan.KernelPlan``), so a call does no spec,
+    path or lowering work. Build it with :func:`select_layer_activation`.
+
+    Two inputs stay per call, as upstream reads them at every forward: the CPU-offload tag of the
+    fused kernels' saved input (``cpu_offloading`` and ``cpu_offloading_activations`` of the
+    config it was built with, and whether Transformer Engine is present), and the in-place
+    backward option when ``in_place_backward`` is None (the process default at the call,
+    ``mcore_activations.fusions.in_place``).
+
+    Args:
+        spec: The activation.
+        path: ``TE_MODULE_PATH``, ``FUSED_KERNEL_PATH`` or ``UNFUSED_PATH``; a spec the path
+            cannot compute must have been refused already (:func:`select_activation_path`).
+        func: The TE module on ``TE_MODULE_PATH``, else the configured callable.
+        fp8_input_store: The fused kernels keep their saved input in FP8.
+        offload_config: The config whose CPU-offloading flags tag the fused kernels' saved
+            input; None: never tagged.
+        in_place_backward: The fused kernels' backward writes the input gradient over fc1's
+            output (True / False); None: the process default at each call.
+
+    Raises:
+        TypeError: ``in_place_backward`` is not True, False or None.
+    """
+
+    __slots__ = (
+        "spec",
+        "path",
+        "func",
+        "fp8_input_store",
+        "in_place_backward",
+        "_offload",
+        "_plan",
+    )
+
+    def __init__(
+        self,
+        spec: ActivationSpec,
+        path: str,
+        func: Callable,
+        *,
+        fp8_input_store: bool = False,
+        offload_config=None,
+        in_place_backward: Optional[bool] = None,
+    ):
+        self.spec = spec
+        self.path = path
+        self.func = func
+        self.fp8_input_store = bool(fp8_input_store)
+        self.in_place_backward = in_place.check_option(in_place_backward)
+        self._offload = offload_config
+        self._plan = None
+        if path == FUSED_KERNEL_PATH:
+            # Raises as the functional fused_activation does for a spec without a kernel.
+            self._plan = KernelPlan(lower_to_fused_kernel(spec, "fused_activation"))
+
+    def with_spec(self, spec: ActivationSpec) -> LayerActivation:
+        """This activation for ``spec`` on the same path, with the same flags.
+
+        For a layer whose ``activation_spec`` was assigned after construction (a subclass
+        changing the GLU layout, say): the layer computes what its ``activation_spec`` names.
+
+        Raises:
+            UnsupportedActivationError: On the fused path, ``spec`` has no kernel.
+        """
+        return LayerActivation(
+            spec,
+            self.path,
+            self.func,
+            fp8_input_store=self.fp8_input_store,
+            offload_config=self._offload,
+            in_place_backward=self.in_place_backward,
+        )
+
+    def offload_input(self) -> bool:
+        """Whether a fused call now tags its saved input for TE's CPU offloading."""
+        config = self._offload
+        # Tagging saved tensors for offloading only means something to TE's offload handler.
+        return bool(
+            config is not None
+            and config.cpu_offloading
+            and config.cpu_offloading_activations
+            and have_te()
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+        *,
+        func: Optional[Callable] = None,
+    ) -> torch.Tensor:
+        """The activation of fc1's output ``x`` (and fc1's unadded ``bias``) on this path.
+
+        Args:
+            x: fc1's output, in the GLU layout of ``spec``.
+            bias: fc1's bias when fc1 skipped adding it, else None.
+            probs: Optional per-row weights ``x.shape[:-1] + (1,)`` (MoE probabilities).
+            func: The callable the TE-module and unfused paths apply in place of ``self.func``.
+                Layers pass their ``activation_func`` attribute, which upstream reads at every
+                forward: a callable assigned to it after construction is used there, as
+                upstream uses it. The fused kernels compute ``spec`` whatever it is.
+
+        Returns:
+            The activation in ``x.dtype``, with each row multiplied by ``probs``.
+        """
+        offload = self.offload_input()
+        if self._plan is not None:
+            return fused_activation_with_plan(
+                self._plan,
+                x,
+                bias,
+                probs,
+                fp8_input_store=self.fp8_input_store,
+                cpu_offload_input=offload,
+                in_place_backward=self.in_place_backward,
+            )
+        func = self.func if func is None else func
+        if bias is not None:
+            x = x + bias
+        if self.path == TE_MODULE_PATH:
+            if self.spec.glu_interleave_size is not None:
+                # TE's GLU modules read the two-halves layout.
+                x = torch.cat(deinterleave_glu(x, self.spec.glu_interleave_size), dim=-1)
+            out = func(x)
+            return (out * probs).to(out.dtype) if probs is not None else out
+        return unfused_activation(x, self.spec, func, probs=probs)
+
+    def __repr__(self) -> str:
+        return f"LayerActivation({self.spec.name}, path={self.path!r})"
 
 
 def select_layer_activation(
@@ -97,6 +233,7 @@ def select_layer_activation(
     *,
     te_module_factory: Optional[Callable[[], Callable]] = None,
     fused_kernel_opt_in: bool = False,
+    offload_input: bool = False,
 ) -> LayerActivation:
     """The one path selector of ``MLP``, the routed experts and the shared experts.
 
@@ -112,6 +249,8 @@ def select_layer_activation(
             when they name none.
         fused_kernel_opt_in: The layer runs the fused kernels even without
             ``bias_activation_fusion`` (upstream's ``use_fused_weighted_squared_relu``).
+        offload_input: The fused kernels tag their saved input for CPU offloading when
+            ``config``'s offloading flags ask for it at the call (as upstream's ``MLP`` does).
 
     Raises:
         UnsupportedActivationError: The selected path cannot compute ``spec``.
@@ -124,7 +263,11 @@ def select_layer_activation(
         path = FUSED_KERNEL_PATH
     func = te_module_factory() if path == TE_MODULE_PATH else config.activation_func
     return LayerActivation(
-        path, func, bool(getattr(config, "activation_func_fp8_input_store", False))
+        spec,
+        path,
+        func,
+        fp8_input_store=bool(getattr(config, "activation_func_fp8_input_store", False)),
+        offload_config=config if offload_input else None,
     )
 
 
@@ -153,57 +296,6 @@ def per_token_probs(per_token_scale: Optional[torch.Tensor], x: torch.Tensor):
             "like hidden_states without its last dimension."
         )
     return per_token_scale.unsqueeze(-1)
-
-
-def activate(
-    x: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    probs: Optional[torch.Tensor],
-    *,
-    spec: ActivationSpec,
-    path: str,
-    activation_func: Callable,
-    fp8_input_store: bool = False,
-    cpu_offload_input: bool = False,
-    in_place_backward: Optional[bool] = None,
-) -> torch.Tensor:
-    """The activation of fc1's output ``x`` (and fc1's unadded ``bias``) on ``path``.
-
-    Args:
-        x: fc1's output, in the GLU layout of ``spec``.
-        bias: fc1's bias when fc1 skipped adding it, else None.
-        probs: Optional per-row weights ``x.shape[:-1] + (1,)`` (MoE probabilities).
-        spec: The layer's activation.
-        path: The layer's path from :func:`select_activation_path`.
-        activation_func: The TE module on ``TE_MODULE_PATH``, else the configured callable.
-        fp8_input_store: Keep the fused kernels' saved input in FP8 (a memory saving).
-        cpu_offload_input: Tag the fused kernels' saved input for TE's CPU offloading.
-        in_place_backward: The fused kernels' backward writes the input gradient over ``x``;
-            None: the process default (``mcore_activations.fusions.in_place``). The other
-            paths ignore it.
-
-    Returns:
-        The activation in ``x.dtype``, with each row multiplied by ``probs``.
-    """
-    if path == FUSED_KERNEL_PATH:
-        return fused_activation(
-            x,
-            spec,
-            bias=bias,
-            probs=probs,
-            fp8_input_store=fp8_input_store,
-            cpu_offload_input=cpu_offload_input,
-            in_place_backward=in_place_backward,
-        )
-    if bias is not None:
-        x = x + bias
-    if path == TE_MODULE_PATH:
-        if spec.glu_interleave_size is not None:
-            # TE's GLU modules read the two-halves layout.
-            x = torch.cat(deinterleave_glu(x, spec.glu_interleave_size), dim=-1)
-        out = activation_func(x)
-        return (out * probs).to(out.dtype) if probs is not None else out
-    return unfused_activation(x, spec, activation_func, probs=probs)
 
 
 def add_weighted_output_bias(

@@ -70,21 +70,31 @@ def activation_forward(
     return _forward_no_autograd(spec, x, bias, probs, eager)
 
 
-def _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward):
+def _apply_fused(
+    spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward, plan=None
+):
     # The rows are flattened outside the autograd Function, as upstream's impls do: an output
     # reshaped inside it would be a view made in a custom Function, and autograd refuses in-place
     # ops on those (``bias_swiglu_impl(x3d, None).mul_(2)``).
     x2d, probs2d = _flatten(x, probs)
     out = FusedActivationFunction.apply(
-        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input, in_place_backward
+        x2d, bias, probs2d, spec, fp8_input_store, cpu_offload_input, in_place_backward, plan
     )
     return out if x2d is x else _unflatten(out, x.shape)
 
 
-def _forward_no_autograd(spec, x, bias, probs, eager=False):
+def _kernel_args(spec, plan, x, bias, probs):
+    """The kernel variant and ``params`` of a call: derived from ``spec``, or read from ``plan``
+    (a ``kernel_plan.KernelPlan`` of ``spec``) where the caller built one."""
+    if plan is not None:
+        return plan.variant(bias, probs), plan.params(x.device)
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
+    return variant, params_tensor(spec_params(spec), x.device)
+
+
+def _forward_no_autograd(spec, x, bias, probs, eager=False, plan=None):
+    variant, params = _kernel_args(spec, plan, x, bias, probs)
     x2d, probs2d = _flatten(x, probs)
-    params = params_tensor(spec_params(spec), x.device)
     fn = forward_math if eager else run_forward
     out = fn(variant, x2d, bias, probs2d, params)
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -243,7 +253,15 @@ def _in_place_mode(x, fp8_input_store, cpu_offload_input) -> int:
 
 
 def _run_and_save(
-    ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward=False
+    ctx,
+    spec,
+    x,
+    bias,
+    probs,
+    fp8_input_store,
+    cpu_offload_input,
+    in_place_backward=False,
+    plan=None,
 ):
     # Refusals come before any work; the mode is the backward's to read.
     ctx.in_place = (
@@ -252,8 +270,7 @@ def _run_and_save(
         else _OUT_OF_PLACE
     )
     ctx.in_place_ran = False
-    variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
-    params = params_tensor(spec_params(spec), x.device)
+    variant, params = _kernel_args(spec, plan, x, bias, probs)
     # The kernels work on rows; any leading shape is flattened here and restored on the way out.
     ctx.input_shape = x.shape
     ctx.probs_shape = probs.shape if probs is not None else None
@@ -323,21 +340,31 @@ class FusedActivationFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, bias, probs, spec, fp8_input_store, cpu_offload_input, in_place_backward=False
+        ctx,
+        x,
+        bias,
+        probs,
+        spec,
+        fp8_input_store,
+        cpu_offload_input,
+        in_place_backward=False,
+        plan=None,
     ):
         """Runs the forward kernel of ``spec`` on inputs its callers have checked.
 
-        ``in_place_backward`` is a resolved bool here (the functional API resolves None).
+        ``in_place_backward`` is a resolved bool here (the functional API resolves None);
+        ``plan``: the caller's ``KernelPlan`` of ``spec``, or None to derive the kernel's
+        arguments from ``spec``.
         """
         return _run_and_save(
-            ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward
+            ctx, spec, x, bias, probs, fp8_input_store, cpu_offload_input, in_place_backward, plan
         )
 
     @staticmethod
     def backward(ctx, grad):
         """Gradients for x, bias and probs."""
         dx, dbias, dprobs = saved_backward(ctx, grad)
-        return dx, dbias, dprobs, None, None, None, None
+        return dx, dbias, dprobs, None, None, None, None, None
 
 
 def _any_requires_grad(*tensors) -> bool:
@@ -414,3 +441,40 @@ def fused_activation(
         # cost is a large part of a small call's time).
         return _forward_no_autograd(spec, x, bias, probs)
     return _apply_fused(spec, x, bias, probs, fp8_input_store, cpu_offload_input, write_over_input)
+
+
+def fused_activation_with_plan(
+    plan,
+    x: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    *,
+    fp8_input_store: bool = False,
+    cpu_offload_input: bool = False,
+    in_place_backward: Optional[bool] = None,
+) -> torch.Tensor:
+    """:func:`fused_activation` of ``plan.spec``, with the kernel's arguments read from ``plan``.
+
+    For a layer, which lowers its spec and builds its ``kernel_plan.KernelPlan`` once, at
+    construction: the same checks, refusals and numbers as :func:`fused_activation`, without
+    deriving the variant or the parameters again. Inside a caller's ``torch.compile`` it is
+    :func:`fused_activation` itself, which makes the spec's numbers constants of the graph.
+    """
+    if torch.compiler.is_compiling():
+        return fused_activation(
+            x,
+            plan.spec,
+            bias=bias,
+            probs=probs,
+            fp8_input_store=fp8_input_store,
+            cpu_offload_input=cpu_offload_input,
+            in_place_backward=in_place_backward,
+        )
+    spec = plan.spec
+    check_inputs(spec, x, bias, probs)
+    write_over_input = in_place.resolve(in_place_backward)
+    if not (torch.is_grad_enabled() and _any_requires_grad(x, bias, probs)):
+        return _forward_no_autograd(spec, x, bias, probs, plan=plan)
+    return _apply_fused(
+        spec, x, bias, probs, fp8_input_store, cpu_offload_input, write_over_input, plan
+    )

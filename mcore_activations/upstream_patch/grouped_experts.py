@@ -18,6 +18,7 @@ import torch
 
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec
 from mcore_activations.fusions import in_place
+from mcore_activations.fusions.kernel_plan import KernelPlan
 from mcore_activations.upstream_fingerprints import Capabilities
 from mcore_activations.upstream_patch.patcher import Patcher, layer_spec, refuse, wrap_init
 from mcore_activations.upstream_patch.upstream import EXPERTS_MODULE, Upstream
@@ -104,6 +105,8 @@ def _check_grouped_mlp(upstream: Upstream):
             _check_fused_bias_path(upstream, layer, spec, f"{owner}(bias_activation_fusion=True)")
             if in_place.in_place_backward_enabled():
                 in_place.check_config(config, owner)
+            # What the fused call of _make_grouped_weighted_swiglu needs, derived once.
+            layer._mcore_kernel_plan = KernelPlan(spec)
 
     return after
 
@@ -121,8 +124,14 @@ def _wrap_grouped_forward(original: Callable) -> Callable:
 
 
 def _make_grouped_weighted_swiglu(plain: Callable) -> Callable:
-    """``experts.weighted_bias_swiglu_impl`` that computes the running TEGroupedMLP's spec."""
-    from mcore_activations.fusions.fused_activation import fused_activation
+    """``experts.weighted_bias_swiglu_impl`` that computes the running TEGroupedMLP's spec.
+
+    ``fp8_input_store`` is upstream's argument, which it reads from the config at every call.
+    """
+    from mcore_activations.fusions.fused_activation import (
+        fused_activation,
+        fused_activation_with_plan,
+    )
 
     @functools.wraps(plain)
     def weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store=False, *args, **kwargs):
@@ -130,7 +139,14 @@ def _make_grouped_weighted_swiglu(plain: Callable) -> Callable:
         spec = getattr(layer, "activation_spec", None)
         if spec is None or bias is not None or args or kwargs:
             return plain(input, bias, weights, fp8_input_store, *args, **kwargs)
-        return fused_activation(input, spec, probs=weights, fp8_input_store=fp8_input_store)
+        plan = getattr(layer, "_mcore_kernel_plan", None)
+        if plan is None or plan.spec is not spec:
+            # A layer whose config took the fused branch, or whose activation_spec was
+            # assigned, after construction.
+            return fused_activation(input, spec, probs=weights, fp8_input_store=fp8_input_store)
+        return fused_activation_with_plan(
+            plan, input, None, weights, fp8_input_store=fp8_input_store
+        )
 
     return weighted_bias_swiglu_impl
 

@@ -1,9 +1,10 @@
 """Target patcher: upstream's ``MLP`` decides its activation once, at construction.
 
-``MLP.__init__`` is wrapped to attach the layer's :class:`ActivationSpec` and its path (or the
-Transformer Engine lowering, for ``TEFusedMLP``), refusing what no path computes; ``MLP.forward``
-is replaced by one that computes the spec on that path. The shared experts' side-stream forward
-(``shared_experts``) and TE's fused classes (``te_fused``) call the same two functions.
+``MLP.__init__`` is wrapped to attach the layer's :class:`ActivationSpec` and its activation, a
+:class:`~mcore_activations.activation_path.LayerActivation` (or the Transformer Engine lowering,
+for ``TEFusedMLP``), refusing what no path computes; ``MLP.forward`` is replaced by one that calls
+that activation. The shared experts' side-stream forward (``shared_experts``) and TE's fused
+classes (``te_fused``) call the same two functions.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def attach_mlp_activation(layer) -> None:
                 "activation Transformer Engine can compute.",
             )
     # Every activation field is read once, here, as in the fork (docs/activations.md).
-    layer._mcore_fp8_input_store = bool(layer.config.activation_func_fp8_input_store)
     if is_te_instance(layer, "TEFusedMLP"):
         from mcore_activations.te_lowering import plan_te_activation
 
@@ -51,30 +51,29 @@ def attach_mlp_activation(layer) -> None:
         )
         return
     has_te_module = isinstance(layer.activation_func, torch.nn.Module)
-    layer.activation_path = paths.select_activation_path(layer.config, spec, has_te_module, owner)
-
-
-def _offload_flag(config) -> bool:
-    from mcore_activations.te_import import have_te
-
-    return bool(config.cpu_offloading and config.cpu_offloading_activations and have_te())
+    path = paths.select_activation_path(layer.config, spec, has_te_module, owner)
+    layer.activation_path = path
+    layer._mcore_activation = paths.LayerActivation(
+        spec,
+        path,
+        layer.activation_func,
+        fp8_input_store=bool(layer.config.activation_func_fp8_input_store),
+        offload_config=layer.config,
+    )
 
 
 def mlp_activate(layer, x, bias, per_token_scale):
-    """The activation of a patched layer: its spec on its path (decided now if built before)."""
-    if not hasattr(layer, "activation_path"):
+    """The activation of a patched layer, as built at construction (now, if built before)."""
+    activation = getattr(layer, "_mcore_activation", None)
+    if activation is None:
         attach_mlp_activation(layer)  # a layer built before the patch: decide now
+        activation = layer._mcore_activation
+    elif activation.spec is not layer.activation_spec:
+        # activation_spec was assigned after construction; the layer computes what it names.
+        activation = layer._mcore_activation = activation.with_spec(layer.activation_spec)
     probs = paths.per_token_probs(per_token_scale, x)
-    return paths.activate(
-        x,
-        bias,
-        probs,
-        spec=layer.activation_spec,
-        path=layer.activation_path,
-        activation_func=layer.activation_func,
-        fp8_input_store=layer._mcore_fp8_input_store,
-        cpu_offload_input=_offload_flag(layer.config),
-    )
+    # Upstream reads its ``activation_func`` at every forward (see LayerActivation.__call__).
+    return activation(x, bias, probs, func=layer.activation_func)
 
 
 def _nvtx(module, what: str, suffix: str) -> None:

@@ -1,10 +1,10 @@
 """The transformer MLP: ``fc2(activation(fc1(x)))``, with tensor-parallel linears.
 
 The layer is API-compatible with upstream megatron-core's ``MLP``. ``__init__`` turns the config
-into one :class:`ActivationSpec` and picks one path for it, once
+into one :class:`ActivationSpec` and builds the layer's activation for it, once
 (``mcore_activations.activation_path.select_layer_activation``: TE module, fused kernels or
-unfused); a spec the path cannot compute is refused at construction. Every path computes what
-:meth:`ActivationSpec.reference` defines.
+unfused); a spec the path cannot compute is refused at construction, and a forward only calls
+the activation built then. Every path computes what :meth:`ActivationSpec.reference` defines.
 """
 
 from __future__ import annotations
@@ -21,14 +21,13 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
     FUSED_KERNEL_PATH,
     TE_MODULE_PATH,
     UNFUSED_PATH,
-    activate,
+    LayerActivation,
     add_weighted_output_bias,
     per_token_probs,
     select_activation_path,
     select_layer_activation,
 )
 from mcore_activations.activation_spec import ActivationSpec
-from mcore_activations.te_import import have_te
 from megatron.core.transformer.mlp_interfaces import (  # noqa: F401 - upstream's import path
     LinearFc1Builder,
     LinearFc1Interface,
@@ -168,14 +167,15 @@ class MLP(MegatronModule):
         )
 
         self.activation_spec = ActivationSpec.from_config(config)
-        self.activation_path, self.activation_func, self._activation_fp8_input_store = (
-            select_layer_activation(
-                config,
-                self.activation_spec,
-                type(self).__name__,
-                te_module_factory=te_activation_factory(submodules, config),
-            )
+        self.layer_activation: LayerActivation = select_layer_activation(
+            config,
+            self.activation_spec,
+            type(self).__name__,
+            te_module_factory=te_activation_factory(submodules, config),
+            offload_input=True,
         )
+        self.activation_path = self.layer_activation.path
+        self.activation_func = self.layer_activation.func
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
@@ -234,21 +234,11 @@ class MLP(MegatronModule):
         The result is in ``x.dtype``; ``per_token_scale`` multiplies each row.
         """
         probs = per_token_probs(per_token_scale, x)
-        return activate(
-            x,
-            bias,
-            probs,
-            spec=self.activation_spec,
-            path=self.activation_path,
-            activation_func=self.activation_func,
-            fp8_input_store=self._activation_fp8_input_store,
-            cpu_offload_input=self._offload_activation_input(),
-        )
-
-    def _offload_activation_input(self) -> bool:
-        # Tagging saved tensors for offloading only means something to TE's offload handler.
-        config = self.config
-        return bool(config.cpu_offloading and config.cpu_offloading_activations and have_te())
+        activation = self.layer_activation
+        if activation.spec is not self.activation_spec:
+            # activation_spec was assigned after construction; the layer computes what it names.
+            activation = self.layer_activation = activation.with_spec(self.activation_spec)
+        return activation(x, bias, probs, func=self.activation_func)
 
     def backward_dw(self):
         """Computes the deferred weight gradients of fc2, then fc1 (delayed wgrad compute)."""

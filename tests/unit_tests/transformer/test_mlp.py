@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 import mcore_activations.activation_path as activation_path
-import megatron.core.transformer.mlp as mlp_module
 from mcore_activations.reference_mlp import reference_mlp
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -439,14 +438,14 @@ def test_te_activation_flag_without_builder_computes_unfused(pg):
 
 def test_fused_path_passes_store_and_offload_flags(pg, monkeypatch):
     calls = []
-    real = activation_path.fused_activation
+    real = activation_path.fused_activation_with_plan
 
     def recording(*args, **kwargs):
         calls.append(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(activation_path, "fused_activation", recording)
-    monkeypatch.setattr(mlp_module, "have_te", lambda: True)
+    monkeypatch.setattr(activation_path, "fused_activation_with_plan", recording)
+    monkeypatch.setattr(activation_path, "have_te", lambda: True)
     config = make_config(
         "swiglu",
         torch.float32,
@@ -459,7 +458,7 @@ def test_fused_path_passes_store_and_offload_flags(pg, monkeypatch):
     mlp(torch.randn(3, 2, 24))
     assert calls[-1]["fp8_input_store"] is True and calls[-1]["cpu_offload_input"] is True
 
-    monkeypatch.setattr(mlp_module, "have_te", lambda: False)
+    monkeypatch.setattr(activation_path, "have_te", lambda: False)
     mlp(torch.randn(3, 2, 24))
     assert calls[-1]["cpu_offload_input"] is False
 

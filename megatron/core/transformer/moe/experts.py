@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mcore_activations import te_import
-from mcore_activations.activation_path import activate, select_layer_activation
+from mcore_activations.activation_path import LayerActivation, select_layer_activation
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec, deinterleave_glu
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from mcore_activations.te_lowering import lower_activation_to_te_op
@@ -333,15 +333,15 @@ class TEGroupedMLP(MegatronModule):
         self.activation_spec = ActivationSpec.from_config(
             config, glu_interleave_size=self.glu_interleave_size
         )
-        self.activation_path, self.activation_func, self._activation_fp8_input_store = (
-            select_layer_activation(
-                config,
-                self.activation_spec,
-                type(self).__name__,
-                te_module_factory=te_activation_factory(submodules, config),
-                fused_kernel_opt_in=self._uses_fused_weighted_squared_relu(),
-            )
+        self.layer_activation: LayerActivation = select_layer_activation(
+            config,
+            self.activation_spec,
+            type(self).__name__,
+            te_module_factory=te_activation_factory(submodules, config),
+            fused_kernel_opt_in=self._uses_fused_weighted_squared_relu(),
         )
+        self.activation_path = self.layer_activation.path
+        self.activation_func = self.layer_activation.func
 
         self.linear_fc2 = build_module(
             submodules.linear_fc2,
@@ -418,15 +418,11 @@ class TEGroupedMLP(MegatronModule):
         self, x: torch.Tensor, bias: Optional[torch.Tensor], probs: torch.Tensor
     ) -> torch.Tensor:
         """The activation of fc1's output, weighted by ``probs`` (``[tokens, 1]``)."""
-        return activate(
-            x,
-            bias,
-            probs,
-            spec=self.activation_spec,
-            path=self.activation_path,
-            activation_func=self.activation_func,
-            fp8_input_store=self._activation_fp8_input_store,
-        )
+        activation = self.layer_activation
+        if activation.spec is not self.activation_spec:
+            # activation_spec was assigned after construction; the layer computes what it names.
+            activation = self.layer_activation = activation.with_spec(self.activation_spec)
+        return activation(x, bias, probs, func=self.activation_func)
 
     # ------------------------------------------------------------ Transformer Engine ops
     def _is_fused_impl_supported(self) -> bool:

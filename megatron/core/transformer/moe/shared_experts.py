@@ -368,6 +368,7 @@ class FusedSharedExpertMLP(SharedExpertMLP):
         k = self._glu_interleave_size()
         self.glu_interleave_size = k
         self.activation_spec = self.activation_spec.with_interleave(k)
+        self.layer_activation = self.layer_activation.with_spec(self.activation_spec)
         self.register_state_dict_post_hook(fc1_weight_to_halves)
         self.register_load_state_dict_pre_hook(fc1_weight_to_blocks)
 
