@@ -140,14 +140,26 @@ def _select_te_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, d
     Only the math is decided here; layout, caching and TE-version checks follow in
     :func:`plan_te_activation`.
     """
+    _refuse_kinds_without_te_op(spec, path)
+    if spec.gated and spec.is_situ_glu:
+        return _situ_glu_op(spec, path, scaled)
+    if spec.gated and spec.kind in (ActivationKind.SILU, ActivationKind.QUICK_GELU):
+        return _swiglu_family_op(spec, scaled)
+    if spec.gated:
+        return _other_glu_op(spec, path, scaled)
+    return _non_gated_op(spec, path, scaled)
 
-    def refuse(reason: str, alternative: str):
-        raise UnsupportedActivationError(path, spec, reason, alternative)
 
-    kind, clamp, offset = spec.kind, spec.clamp_value, spec.linear_offset
-    if kind == ActivationKind.CUSTOM:
+def _refuse(spec: ActivationSpec, path: str, reason: str, alternative: str):
+    raise UnsupportedActivationError(path, spec, reason, alternative)
+
+
+def _refuse_kinds_without_te_op(spec: ActivationSpec, path: str) -> None:
+    if spec.kind == ActivationKind.CUSTOM:
         func = getattr(spec.custom_func, "__qualname__", repr(spec.custom_func))
-        refuse(
+        _refuse(
+            spec,
+            path,
             "Transformer Engine ops implement a fixed set of activations and cannot run the "
             f"Python callable {func}",
             _or_unfused(
@@ -155,8 +167,10 @@ def _select_te_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, d
                 "F.relu, activations.squared_relu)"
             ),
         )
-    if kind == ActivationKind.GELU:
-        refuse(
+    if spec.kind == ActivationKind.GELU:
+        _refuse(
+            spec,
+            path,
             "F.gelu is the exact (erf) GELU, but Transformer Engine's GELU ops compute the tanh "
             "approximation, which differs by up to ~1e-3",
             _or_unfused(
@@ -165,64 +179,82 @@ def _select_te_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, d
             ),
         )
 
-    if spec.gated and spec.is_situ_glu:
-        if spec.linear_tanh_scale is None:
-            refuse(
-                "Transformer Engine's SiTUGLU / ScaledSiTUGLU always soft-clamp the linear half "
-                "with a finite beta2, but activation_func_tanh_clamp_scale_linear is not set, so "
-                "the configured SiTU-GLU leaves the linear half unscaled",
-                _or_unfused("Set activation_func_tanh_clamp_scale_linear (TE's beta2)"),
-            )
-        if offset != 0.0:
-            refuse(
-                f"Transformer Engine's SiTU-GLU ops have no linear offset "
-                f"(glu_linear_offset={offset:g})",
-                _or_unfused("Set glu_linear_offset=0.0"),
-            )
-        betas = dict(beta1=spec.gate_tanh_scale, beta2=spec.linear_tanh_scale)
-        return ("ScaledSiTUGLU" if scaled else "SiTUGLU"), betas
 
-    if spec.gated and kind in (ActivationKind.SILU, ActivationKind.QUICK_GELU):
-        if clamp is None and offset == 0.0:
-            if kind == ActivationKind.SILU:
-                return ("ScaledSwiGLU" if scaled else "SwiGLU"), {}
-            if not scaled and spec.glu_interleave_size is None:
-                return "QGEGLU", {}
-        # ClampedSwiGLU computes min(g, limit) * sigmoid(alpha * min(g, limit))
-        # * (clamp(u, -limit, limit) + offset): SwiGLU for alpha=1, quick-GEGLU for 1.702.
-        # Without a configured clamp the limit is +inf, never TE's default of 7.
-        clamped = dict(
-            limit=clamp if clamp is not None else math.inf,
-            alpha=1.0 if kind == ActivationKind.SILU else QUICK_GELU_ALPHA,
-            glu_linear_offset=offset,
+def _situ_glu_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, dict]:
+    if spec.linear_tanh_scale is None:
+        _refuse(
+            spec,
+            path,
+            "Transformer Engine's SiTUGLU / ScaledSiTUGLU always soft-clamp the linear half "
+            "with a finite beta2, but activation_func_tanh_clamp_scale_linear is not set, so "
+            "the configured SiTU-GLU leaves the linear half unscaled",
+            _or_unfused("Set activation_func_tanh_clamp_scale_linear (TE's beta2)"),
         )
-        return ("ScaledClampedQGeGLU" if scaled else "ClampedSwiGLU"), clamped
+    if spec.linear_offset != 0.0:
+        _refuse(
+            spec,
+            path,
+            f"Transformer Engine's SiTU-GLU ops have no linear offset "
+            f"(glu_linear_offset={spec.linear_offset:g})",
+            _or_unfused("Set glu_linear_offset=0.0"),
+        )
+    betas = dict(beta1=spec.gate_tanh_scale, beta2=spec.linear_tanh_scale)
+    return ("ScaledSiTUGLU" if scaled else "SiTUGLU"), betas
 
-    if spec.gated:
-        op_name = {
-            ActivationKind.GELU_TANH: "GEGLU",
-            ActivationKind.RELU: "ReGLU",
-            ActivationKind.SQUARED_RELU: "SReGLU",
-        }[kind]
-        if clamp is not None or offset != 0.0:
-            refuse(
-                f"Transformer Engine has no clamped or offset {op_name}: only SwiGLU and "
-                "quick-GEGLU take a clamp and a linear offset (ClampedSwiGLU)",
-                _or_unfused("Leave activation_func_clamp_value and glu_linear_offset unset"),
-            )
-        if scaled:
-            _refuse_missing_scaled_form(spec, path, op_name)
-        return op_name, {}
 
+def _swiglu_family_op(spec: ActivationSpec, scaled: bool) -> tuple[str, dict]:
+    """Gated SiLU and quick-GELU: TE computes every clamp and offset of these."""
+    kind, clamp, offset = spec.kind, spec.clamp_value, spec.linear_offset
+    if clamp is None and offset == 0.0:
+        if kind == ActivationKind.SILU:
+            return ("ScaledSwiGLU" if scaled else "SwiGLU"), {}
+        if not scaled and spec.glu_interleave_size is None:
+            return "QGEGLU", {}
+    # ClampedSwiGLU computes min(g, limit) * sigmoid(alpha * min(g, limit))
+    # * (clamp(u, -limit, limit) + offset): SwiGLU for alpha=1, quick-GEGLU for 1.702.
+    # Without a configured clamp the limit is +inf, never TE's default of 7.
+    clamped = dict(
+        limit=clamp if clamp is not None else math.inf,
+        alpha=1.0 if kind == ActivationKind.SILU else QUICK_GELU_ALPHA,
+        glu_linear_offset=offset,
+    )
+    return ("ScaledClampedQGeGLU" if scaled else "ClampedSwiGLU"), clamped
+
+
+def _other_glu_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, dict]:
+    op_name = {
+        ActivationKind.GELU_TANH: "GEGLU",
+        ActivationKind.RELU: "ReGLU",
+        ActivationKind.SQUARED_RELU: "SReGLU",
+    }[spec.kind]
+    if spec.clamp_value is not None or spec.linear_offset != 0.0:
+        _refuse(
+            spec,
+            path,
+            f"Transformer Engine has no clamped or offset {op_name}: only SwiGLU and "
+            "quick-GEGLU take a clamp and a linear offset (ClampedSwiGLU)",
+            _or_unfused("Leave activation_func_clamp_value and glu_linear_offset unset"),
+        )
+    if scaled:
+        _refuse_missing_scaled_form(spec, path, op_name)
+    return op_name, {}
+
+
+def _non_gated_op(spec: ActivationSpec, path: str, scaled: bool) -> tuple[str, dict]:
+    kind = spec.kind
     if spec.gate_tanh_scale is not None:
         if kind != ActivationKind.SQUARED_RELU:
-            refuse(
+            _refuse(
+                spec,
+                path,
                 f"Transformer Engine has no tanh soft-clamped {spec.name.split('(')[0]}; only "
                 "squared ReLU has one (ScaledTanhSReLU)",
                 _or_unfused("Leave activation_func_tanh_clamp_scale unset"),
             )
         if not scaled:
-            refuse(
+            _refuse(
+                spec,
+                path,
                 "Transformer Engine's tanh soft-clamped squared ReLU exists only as the "
                 "row-scaled ScaledTanhSReLU of the grouped-MLP ops",
                 _or_unfused(
@@ -285,45 +317,13 @@ def plan_te_activation(
         TEVersionError: An op computes it, but TE is absent or too old (also a RuntimeError).
         ValueError: ``glu_interleave_size`` contradicts ``spec.glu_interleave_size``.
     """
-    if glu_interleave_size is not None:
-        if spec.glu_interleave_size not in (None, glu_interleave_size):
-            raise ValueError(
-                f"plan_te_activation({path}): glu_interleave_size={glu_interleave_size} "
-                f"contradicts the spec's layout ({spec.name})."
-            )
-        if not spec.gated:
-            raise UnsupportedActivationError(
-                path,
-                spec,
-                f"glu_interleave_size={glu_interleave_size} describes a gated (GLU) input, but "
-                "the activation is not gated",
-                "Leave glu_interleave_size unset for non-gated activations.",
-            )
-        spec = spec.with_interleave(glu_interleave_size)
+    spec = _with_interleave(spec, glu_interleave_size, path)
     k = spec.glu_interleave_size
-
     op_name, kwargs = _select_te_op(spec, path, scaled)
     facts = _OP_FACTS[op_name]
 
     if k is not None:
-        if not facts.interleave:
-            raise UnsupportedActivationError(
-                path,
-                spec,
-                f"Transformer Engine's {op_name} has no glu_interleave_size option, so it cannot "
-                f"read the block-interleaved GLU layout (blocks of {k})",
-                _or_unfused("Use the two-halves GLU layout (no interleave) for this activation"),
-            )
-        if facts.scaled and k % _SCALED_INTERLEAVE_MULTIPLE:
-            raise UnsupportedActivationError(
-                path,
-                spec,
-                f"Transformer Engine's {op_name} kernel reads interleaved GLU blocks whose size "
-                f"is a multiple of {_SCALED_INTERLEAVE_MULTIPLE}, not {k}",
-                f"Set the GLU interleave to a multiple of {_SCALED_INTERLEAVE_MULTIPLE} (TE's "
-                "fused grouped-MLP kernels use 32).",
-            )
-
+        _check_interleave_layout(spec, path, op_name, facts)
     _check_te_provides(spec, path, op_name, facts.min_version, f"te.pytorch.ops.{op_name}")
     if k is not None and not facts.scaled:
         _check_te_provides(
@@ -347,6 +347,50 @@ def plan_te_activation(
         kwargs=tuple(sorted(kwargs.items())),
         scaled=facts.scaled,
     )
+
+
+def _with_interleave(
+    spec: ActivationSpec, glu_interleave_size: Optional[int], path: str
+) -> ActivationSpec:
+    """``spec`` with the caller's GLU block layout, which may only add to the spec's own."""
+    if glu_interleave_size is None:
+        return spec
+    if spec.glu_interleave_size not in (None, glu_interleave_size):
+        raise ValueError(
+            f"plan_te_activation({path}): glu_interleave_size={glu_interleave_size} "
+            f"contradicts the spec's layout ({spec.name})."
+        )
+    if not spec.gated:
+        raise UnsupportedActivationError(
+            path,
+            spec,
+            f"glu_interleave_size={glu_interleave_size} describes a gated (GLU) input, but "
+            "the activation is not gated",
+            "Leave glu_interleave_size unset for non-gated activations.",
+        )
+    return spec.with_interleave(glu_interleave_size)
+
+
+def _check_interleave_layout(spec: ActivationSpec, path: str, op_name: str, facts) -> None:
+    """Refuses a block-interleaved GLU input the chosen op cannot read."""
+    k = spec.glu_interleave_size
+    if not facts.interleave:
+        raise UnsupportedActivationError(
+            path,
+            spec,
+            f"Transformer Engine's {op_name} has no glu_interleave_size option, so it cannot "
+            f"read the block-interleaved GLU layout (blocks of {k})",
+            _or_unfused("Use the two-halves GLU layout (no interleave) for this activation"),
+        )
+    if facts.scaled and k % _SCALED_INTERLEAVE_MULTIPLE:
+        raise UnsupportedActivationError(
+            path,
+            spec,
+            f"Transformer Engine's {op_name} kernel reads interleaved GLU blocks whose size "
+            f"is a multiple of {_SCALED_INTERLEAVE_MULTIPLE}, not {k}",
+            f"Set the GLU interleave to a multiple of {_SCALED_INTERLEAVE_MULTIPLE} (TE's "
+            "fused grouped-MLP kernels use 32).",
+        )
 
 
 def _check_te_provides(
