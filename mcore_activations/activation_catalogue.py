@@ -20,6 +20,7 @@ import types
 from collections.abc import Callable, Mapping
 
 from mcore_activations.activation_spec import ActivationSpec
+from mcore_activations.audit_config import FUNCTION_NAMES
 
 TESTS = "tests"
 FORK_AUDIT = "fork audit"
@@ -38,9 +39,6 @@ USES = {
     "so clamps of 0.5 and 1.5 cut most elements; its before/after tables in "
     "docs/using-with-megatron-lm.md were recorded at these values on an H200.",
 }
-
-# activation_func by name: the names a --config file uses.
-FUNCTION_NAMES = ("silu", "gelu", "fast_gelu", "quick_gelu", "relu", "squared_relu")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,10 @@ import contextlib
 import os
 import sys
 import warnings
+from collections.abc import Iterable
+from typing import Optional
+
+from mcore_activations.audit_config import CONFIG_FILE_FIELDS, FUNCTION_NAMES
 
 # scripts/main.sh names itself here, so --help and errors show the command the user typed.
 PROG_ENV = "MCORE_ACTIVATIONS_AUDIT_PROG"
@@ -35,6 +39,46 @@ class AuditArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
+def add_common_options(
+    parser: argparse.ArgumentParser,
+    *,
+    cuda_available: bool,
+    json_help: str,
+    device_choices: Optional[Iterable[str]] = None,
+) -> None:
+    """Adds ``--config``, ``--device``, ``--dtype`` and ``--json``, which both audits take.
+
+    Args:
+        parser: The audit's parser.
+        cuda_available: Whether ``--device`` defaults to ``cuda``.
+        json_help: What ``--json`` writes (each audit has its own JSON layout).
+        device_choices: The devices ``--device`` accepts; None accepts any torch device string
+            (the audit then checks it).
+    """
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="audit the configurations in this JSON file instead of the built-in set: one object "
+        "or a list, each with an optional 'name' and any of: "
+        f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: "
+        f"{', '.join(sorted(FUNCTION_NAMES))})",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if cuda_available else "cpu",
+        choices=None if device_choices is None else list(device_choices),
+        help="cpu or cuda (default: cuda where a GPU is usable; the Transformer Engine paths "
+        "need cuda)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the layers' parameter and compute dtype (default: float32)",
+    )
+    parser.add_argument("--json", metavar="FILE", help=json_help)
 
 
 @contextlib.contextmanager

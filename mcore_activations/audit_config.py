@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 
+# activation_func by name: the names a --config file (and the activation catalogue) uses.
+FUNCTION_NAMES = ("silu", "gelu", "fast_gelu", "quick_gelu", "relu", "squared_relu")
+
 # The fields one activation is described by, besides activation_func.
 ACTIVATION_OPTIONS = (
     "gated_linear_unit",

@@ -367,6 +367,39 @@ def run_audit(
     return cells
 
 
+def layer_config(
+    fields: dict,
+    *,
+    hidden: int,
+    ffn: int,
+    experts: int,
+    defaults: Optional[dict] = None,
+    forced: Optional[dict] = None,
+):
+    """The ``TransformerConfig`` of an audited layer, from the audited megatron-core.
+
+    Args:
+        fields: The activation's fields and what a ``--config`` file sets.
+        hidden: ``hidden_size``.
+        ffn: ``ffn_hidden_size`` and the experts' ``moe_ffn_hidden_size``.
+        experts: ``num_moe_experts``.
+        defaults: The audit's other settings; ``fields`` override them.
+        forced: The path's own settings (e.g. its fusion); they override ``fields``.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(
+        num_layers=1,
+        hidden_size=hidden,
+        ffn_hidden_size=ffn,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=ffn,
+        add_bias_linear=False,
+    )
+    return TransformerConfig(**{**base, **(defaults or {}), **fields, **(forced or {})})
+
+
 def with_bias(result):
     """An MLP-like layer's ``(output, output_bias)`` as its caller adds them.
 

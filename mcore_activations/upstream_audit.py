@@ -1,18 +1,18 @@
 """Audit of an installed upstream megatron-core: does each MLP path compute its activation?
 
 ``mcore-activations-audit`` (or ``python -m mcore_activations.upstream_audit``) builds upstream's
-own MLP classes for a set of activations, runs forward and backward on inputs large enough to hit
-every clamp, and compares the output and the input gradient with the float64 reference of
-:class:`ActivationSpec` (``fc2(reference(fc1(x)))`` on the layer's own weights, probabilities
-included). ``--before-after`` prints the table for upstream as installed, then again after
+own MLP classes for the upstream audit's entries of :mod:`mcore_activations.activation_catalogue`
+(or the configurations of ``--config``), runs forward and backward on inputs large enough to hit
+every clamp, and compares the output, the input gradient and every parameter gradient with the
+float64 reference of :class:`ActivationSpec` (``fc2(reference(fc1(x)))`` on the layer's own
+weights, probabilities included), through :mod:`mcore_activations.audit_runner`, the runner of the
+fork's audit too. ``--before-after`` prints the table for upstream as installed, then again after
 :func:`patch_megatron_core`; it also replays the stale-scalar call sequence of upstream issue #6918
-on the compiled entry points. A cell is ``match``, ``MISMATCH`` (a silent wrong result),
-``refused`` (the layer raised :class:`UnsupportedActivationError` at construction, naming why and
-what to configure instead), ``config rejected by upstream`` (upstream's own config rules),
-``n/a on this GPU`` (a hardware limit, e.g. MXFP8 on a GPU before SM100), ``error`` (an exception
-at run time) or ``n/a``.
+on the compiled entry points (``exact`` or ``STALE``). The other cells use the words of
+:mod:`mcore_activations.audit_cells`, which the legend under the tables explains.
 
-Exit status: 0 when the last table has no ``MISMATCH`` and no ``error``, else 1.
+Exit status: 0 when the last table has no ``MISMATCH``, ``error`` or ``STALE`` cell, else 1; 2 on
+a usage error.
 """
 
 from __future__ import annotations
@@ -23,86 +23,68 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from mcore_activations.activation_spec import (
-    ActivationKind,
-    ActivationSpec,
-    UnsupportedActivationError,
-)
-from mcore_activations.audit_cells import (
-    ERROR,
-    LEGEND,
-    MATCH,
-    MISMATCH,
-    REFUSED,
-    UNAVAILABLE,
-    UPSTREAM_RULE,
-    reason,
-)
+from mcore_activations import activation_catalogue, audit_runner
+from mcore_activations.activation_spec import ActivationKind, ActivationSpec
+from mcore_activations.audit_cells import LEGEND, MATCH, MISMATCH, UNAVAILABLE
 from mcore_activations.audit_cli import (
     AuditArgumentParser,
+    add_common_options,
     command_name,
     one_copy_of_each_warning,
+    progress_printer,
 )
-from mcore_activations.audit_config import CONFIG_FILE_FIELDS, load_config_file
+from mcore_activations.audit_config import load_config_file
+from mcore_activations.audit_runner import AuditPath, AuditSettings, Cell, PathUnavailable
 from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
+
+HIDDEN, FFN, TOKENS, EXPERTS = 32, 48, 24, 2
 
 # Norm-relative error allowed per dtype. float32: its GEMMs and activation math against float64.
 # bfloat16 keeps 8 significant bits (unit roundoff 2e-3); output and gradients pass through 5-7
 # roundings, the bias add among them, and sums that cancel: correct layers measure 0.3-2.2 % on
 # CPU (0.19.2 patched, clamp 7 with biases the worst), an activation computed wrongly > 10 %.
 MATCH_RTOL = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
-# Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
-_HARDWARE_LIMITS = ("compute capability", "requires SM100", "not supported on this device")
 
 
-@dataclass(frozen=True)
-class AuditActivation:
-    """One column of the table: a name and the config fields that select it."""
+def _initialise(layer, generator):
+    # Large weights: fc1 outputs of a few units, so every clamp is hit on many elements; every
+    # parameter is drawn (biases and norms included), so a dropped one changes the result.
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * (1.0 if p.dim() > 1 else 0.1))
 
-    name: str
-    fields: Callable[[], dict]
+
+def _probs(generator, device):
+    # Away from zero, so every routed row's fc2 bias and activation carry weight.
+    return torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
+
+
+# This audit's inputs and judgement, for the runner both audits share; the fork's audit has its
+# own (megatron.core.transformer.activation_audit_paths.SETTINGS). The published before/after
+# tables (docs/using-with-megatron-lm.md) were measured with these.
+SETTINGS = AuditSettings(
+    tokens=TOKENS,
+    hidden=HIDDEN,
+    tokens_per_expert=(TOKENS // 2, TOKENS - TOKENS // 2),
+    initialise=_initialise,
+    probs=_probs,
+    metric=audit_runner.norm_relative,
+    tolerance=MATCH_RTOL,
+    # Upstream's own fused paths raise before the patch by design of the table (its "error"
+    # cells); a traceback per cell would bury the table.
+    print_tracebacks=False,
+)
 
 
 def _quick_gelu():
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     return quick_gelu
-
-
-def _squared_relu():
-    from megatron.core.activations import squared_relu
-
-    return squared_relu
-
-
-ACTIVATIONS = (
-    AuditActivation("SwiGLU", lambda: dict(activation_func=F.silu, gated_linear_unit=True)),
-    AuditActivation(
-        "DeepSeek-V4 SwiGLU(clamp=0.5)",
-        lambda: dict(
-            activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=0.5
-        ),
-    ),
-    AuditActivation(
-        "gpt-oss quick-GEGLU(clamp=1.5, offset=1)",
-        lambda: dict(
-            activation_func=_quick_gelu(),
-            gated_linear_unit=True,
-            activation_func_clamp_value=1.5,
-            glu_linear_offset=1.0,
-        ),
-    ),
-    AuditActivation("GEGLU (erf)", lambda: dict(activation_func=F.gelu, gated_linear_unit=True)),
-    AuditActivation(
-        "squared-ReLU", lambda: dict(activation_func=_squared_relu(), gated_linear_unit=False)
-    ),
-)
 
 
 def functions() -> dict:
@@ -116,30 +98,27 @@ def functions() -> dict:
         "fast_gelu": activations.fast_gelu,
         "quick_gelu": _quick_gelu(),
         "relu": F.relu,
-        "squared_relu": _squared_relu(),
+        "squared_relu": activations.squared_relu,
     }
 
 
-HIDDEN, FFN, TOKENS, EXPERTS = 32, 48, 24, 2
+def builtin_activations() -> dict[str, dict]:
+    """``{column: config fields}`` of the built-in set (the upstream audit's entries of
+    :mod:`mcore_activations.activation_catalogue`), with the installed upstream's callables."""
+    return activation_catalogue.columns(activation_catalogue.UPSTREAM_AUDIT, functions())
 
 
-def _config(fields: dict, *, fused: bool, device: str):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    base = dict(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=FFN,
+def _config(fields: dict, *, fused: bool, device, dtype=torch.float32):
+    defaults = dict(
         moe_shared_expert_intermediate_size=FFN,
-        add_bias_linear=False,
         bias_activation_fusion=fused,
-        use_cpu_initialization=device == "cpu",
-        params_dtype=torch.float32,
+        use_cpu_initialization=str(device) == "cpu",
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
     )
-    return TransformerConfig(**{**base, **fields})
+    return audit_runner.layer_config(
+        fields, hidden=HIDDEN, ffn=FFN, experts=EXPERTS, defaults=defaults
+    )
 
 
 # --------------------------------------------------------------------------------- the paths
@@ -162,42 +141,49 @@ def _te_submodules():
     return MLPSubmodules(linear_fc1=TELayerNormColumnParallelLinear, linear_fc2=TERowParallelLinear)
 
 
-def _with_bias(result):
-    # MLP-like layers return ``(output, output_bias)`` and leave adding fc2's bias to the caller
-    # (upstream fuses it with dropout); the reference includes it, so the audit adds it too.
-    output, bias = result
-    return output if bias is None else output + bias
+def _layer_dtype(layer) -> torch.dtype:
+    return next(layer.parameters()).dtype
 
 
-def _mlp_reference(layer, prefix=""):
-    """``(params64, x64) -> output``: the float64 reference MLP on ``layer``'s parameters."""
-
-    def reference(params, x, probs=None):
-        spec = ActivationSpec.from_config(layer.config)
-        dtype = next(layer.parameters()).dtype
-        return layer_reference(params, x, spec, layer.config, prefix, probs, dtype)
-
-    return reference
+def _expert_reference(params, x, layer, probs=None, prefix=""):
+    """The float64 reference MLP on ``layer``'s parameters (an expert's: ``prefix``)."""
+    spec = ActivationSpec.from_config(layer.config)
+    return layer_reference(params, x, spec, layer.config, prefix, probs, _layer_dtype(layer))
 
 
-def _build_mlp(config, submodules, cls=None):
-    from megatron.core.transformer.mlp import MLP
+def _reference_mlp(params, x, layer, probs, tpe):
+    # A dense layer takes no router probabilities.
+    return _expert_reference(params, x, layer)
 
-    return (cls or MLP)(config, submodules, ffn_hidden_size=FFN)
+
+def _run_mlp(layer, x, probs, tpe):
+    return audit_runner.with_bias(layer(x))
 
 
-def path_mlp(fields, *, fused, device, te=False, cls_name=None):
-    """(layer, run, reference) for upstream's MLP (or a TE fused subclass)."""
-    config = _config(fields, fused=fused, device=device)
-    cls = None
-    if cls_name is not None:
-        from megatron.core.extensions import transformer_engine
+def _run_experts(layer, x, probs, tpe):
+    return audit_runner.with_bias(layer(x, torch.tensor(tpe), probs))
 
-        cls = getattr(transformer_engine, cls_name, None)
-        if cls is None:
-            raise _NotAvailable(f"{cls_name} is not defined (Transformer Engine missing or old)")
-    layer = _build_mlp(config, _te_submodules() if te else _local_submodules(), cls).to(device)
-    return layer, lambda x: _with_bias(layer(x)), _mlp_reference(layer)
+
+def mlp_path(name: str, *, fused: bool, te: bool = False, cls_name=None) -> AuditPath:
+    """Upstream's MLP (or a TE fused subclass), unfused or with ``bias_activation_fusion``."""
+
+    def build(fields, device, dtype):
+        from megatron.core.transformer.mlp import MLP
+
+        cls = MLP
+        if cls_name is not None:
+            from megatron.core.extensions import transformer_engine
+
+            cls = getattr(transformer_engine, cls_name, None)
+            if cls is None:
+                raise PathUnavailable(
+                    f"{cls_name} is not defined (Transformer Engine missing or old)"
+                )
+        config = _config(fields, fused=fused, device=device, dtype=dtype)
+        submodules = _te_submodules() if te else _local_submodules()
+        return cls(config, submodules, ffn_hidden_size=FFN).to(device)
+
+    return AuditPath(name, build, _run_mlp, _reference_mlp, needs_te=te)
 
 
 def _pg_collection():
@@ -206,172 +192,107 @@ def _pg_collection():
     return get_default_pg_collection()
 
 
-def path_shared(fields, *, fused, device):
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+def _shared_path(name: str) -> AuditPath:
+    def build(fields, device, dtype):
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
-    config = _config(fields, fused=fused, device=device)
-    layer = SharedExpertMLP(
-        config, _local_submodules(), gate=False, pg_collection=_pg_collection()
-    ).to(device)
-    return layer, layer, _mlp_reference(layer)
+        config = _config(fields, fused=True, device=device, dtype=dtype)
+        layer = SharedExpertMLP(
+            config, _local_submodules(), gate=False, pg_collection=_pg_collection()
+        )
+        return layer.to(device)
 
-
-def path_sequential(fields, *, fused, device):
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    config = _config(fields, fused=fused, device=device)
-    layer = SequentialMLP(EXPERTS, config, _local_submodules(), pg_collection=_pg_collection()).to(
-        device
-    )
-    split = torch.tensor([TOKENS // 2, TOKENS - TOKENS // 2])
-    probs = torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
-
-    def run(x):
-        return _with_bias(layer(x, split, probs))
-
-    def reference(params, x):
-        parts, start = [], 0
-        for i, n in enumerate(split.tolist()):
-            rows = slice(start, start + n)
-            expert = _mlp_reference(layer.local_experts[i], f"local_experts.{i}.")
-            parts.append(expert(params, x[rows], probs[rows].double()))
-            start += n
-        return torch.cat(parts)
-
-    return layer, run, reference
+    return AuditPath(name, build, lambda layer, x, probs, tpe: layer(x), _reference_mlp)
 
 
-def path_te_grouped(fields, *, fused, device):
+def _reference_sequential(params, x, layer, probs, tpe):
+    parts, start = [], 0
+    for i, n in enumerate(tpe):
+        rows = slice(start, start + n)
+        expert = layer.local_experts[i]
+        parts.append(_expert_reference(params, x[rows], expert, probs[rows], f"local_experts.{i}."))
+        start += n
+    return torch.cat(parts)
+
+
+def _sequential_path(name: str, *, fused: bool) -> AuditPath:
+    def build(fields, device, dtype):
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        config = _config(fields, fused=fused, device=device, dtype=dtype)
+        layer = SequentialMLP(EXPERTS, config, _local_submodules(), pg_collection=_pg_collection())
+        return layer.to(device)
+
+    return AuditPath(name, build, _run_experts, _reference_sequential)
+
+
+def _reference_grouped(params, x, layer, probs, tpe):
+    spec = ActivationSpec.from_config(layer.config)
+    return grouped_layer_reference(params, x, spec, tpe, probs, _layer_dtype(layer))
+
+
+def _te_grouped_path(name: str, *, fused: bool) -> AuditPath:
     """Upstream's TEGroupedMLP on TE grouped linears (its unfused activation closure)."""
-    from megatron.core.extensions.transformer_engine import (
-        TEColumnParallelGroupedLinear,
-        TERowParallelGroupedLinear,
-    )
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-    config = _config(fields, fused=fused, device=device)
-    submodules = GroupedMLPSubmodules(
-        linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
-    )
-    layer = TEGroupedMLP(EXPERTS, config, submodules, pg_collection=_pg_collection()).to(device)
-    split = torch.tensor([TOKENS // 2, TOKENS - TOKENS // 2])
-    probs = torch.rand(TOKENS, generator=torch.Generator().manual_seed(3)).to(device) + 0.5
-    spec = ActivationSpec.from_config(config)
+    def build(fields, device, dtype):
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelGroupedLinear,
+            TERowParallelGroupedLinear,
+        )
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-    def run(x):
-        return _with_bias(layer(x, split, probs))
+        config = _config(fields, fused=fused, device=device, dtype=dtype)
+        submodules = GroupedMLPSubmodules(
+            linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
+        )
+        layer = TEGroupedMLP(EXPERTS, config, submodules, pg_collection=_pg_collection())
+        return layer.to(device)
 
-    def reference(params, x):
-        dtype = next(layer.parameters()).dtype
-        return grouped_layer_reference(params, x, spec, split.tolist(), probs.double(), dtype)
-
-    return layer, run, reference
+    return AuditPath(name, build, _run_experts, _reference_grouped, needs_te=True)
 
 
-class _NotAvailable(Exception):
-    pass
-
-
-def _paths(device: str, with_te: bool) -> dict[str, Callable]:
-    paths = {
-        "MLP (unfused)": lambda f: path_mlp(f, fused=False, device=device),
-        "MLP (bias_activation_fusion)": lambda f: path_mlp(f, fused=True, device=device),
-        "SharedExpertMLP (bias_activation_fusion)": lambda f: path_shared(
-            f, fused=True, device=device
+def all_paths() -> list[AuditPath]:
+    """Every path this audit knows, in table order; the TE ones need CUDA and TE."""
+    return [
+        mlp_path("MLP (unfused)", fused=False),
+        mlp_path("MLP (bias_activation_fusion)", fused=True),
+        _shared_path("SharedExpertMLP (bias_activation_fusion)"),
+        _sequential_path("SequentialMLP (unfused)", fused=False),
+        _sequential_path("SequentialMLP (bias_activation_fusion)", fused=True),
+        mlp_path("MLP (TE linears)", fused=False, te=True),
+        mlp_path("TEFusedMLP", fused=False, te=True, cls_name="TEFusedMLP"),
+        mlp_path(
+            "TEFusedMLPWithGroupedLinear",
+            fused=False,
+            te=True,
+            cls_name="TEFusedMLPWithGroupedLinear",
         ),
-        "SequentialMLP (unfused)": lambda f: path_sequential(f, fused=False, device=device),
-        "SequentialMLP (bias_activation_fusion)": lambda f: path_sequential(
-            f, fused=True, device=device
-        ),
-    }
-    if with_te:
-        paths["MLP (TE linears)"] = lambda f: path_mlp(f, fused=False, device=device, te=True)
-        paths["TEFusedMLP"] = lambda f: path_mlp(
-            f, fused=False, device=device, te=True, cls_name="TEFusedMLP"
-        )
-        paths["TEFusedMLPWithGroupedLinear"] = lambda f: path_mlp(
-            f, fused=False, device=device, te=True, cls_name="TEFusedMLPWithGroupedLinear"
-        )
-        paths["TEGroupedMLP (unfused)"] = lambda f: path_te_grouped(f, fused=False, device=device)
-        paths["TEGroupedMLP (bias_activation_fusion)"] = lambda f: path_te_grouped(
-            f, fused=True, device=device
-        )
-    return paths
+        _te_grouped_path("TEGroupedMLP (unfused)", fused=False),
+        _te_grouped_path("TEGroupedMLP (bias_activation_fusion)", fused=True),
+    ]
+
+
+def paths(with_te: bool) -> list[AuditPath]:
+    """The rows of this audit's table: without TE (CPU, or no TE installed) only the torch ones."""
+    return [path for path in all_paths() if with_te or not path.needs_te]
 
 
 # ---------------------------------------------------------------------------------- one cell
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b).norm() / b.norm().clamp_min(1e-30))
+def cell_text(cell: Cell) -> str:
+    """A cell as this audit's tables and JSON write it, e.g. ``match (2.1e-07)``."""
+    if cell.status == MATCH:
+        return f"{MATCH} ({cell.max_rel_error:.1e})"
+    if cell.status == MISMATCH and cell.max_rel_error is not None:
+        return f"{MISMATCH} ({cell.max_rel_error:.1e}, {cell.detail})"
+    return f"{cell.status} ({cell.detail})" if cell.detail else cell.status
 
 
-def audit_cell(build: Callable, fields: dict, device: str) -> str:
-    """Runs one path on one activation; returns the table cell."""
-    try:
-        layer, run, reference = build(fields)
-    except _NotAvailable as err:
-        return f"{UNAVAILABLE} ({reason(err)})"
-    except UnsupportedActivationError as err:
-        return f"{REFUSED} ({reason(err)})"
-    except (ValueError, AssertionError) as err:
-        # Upstream states its config rules as ValueError (TransformerConfig) or assert (layers).
-        return f"{UPSTREAM_RULE} ({reason(err)})"
-    except Exception as err:  # noqa: BLE001 - the audit reports every failure as a cell
-        return f"{ERROR} at build ({type(err).__name__}: {reason(err)})"
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in layer.parameters():
-            # Large weights: fc1 outputs of a few units, so every clamp is hit on many elements.
-            p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if p.dim() > 1 else 0.1))
-    dtype = next(layer.parameters()).dtype
-    x = torch.randn(TOKENS, HIDDEN, generator=gen).to(device, dtype).requires_grad_(True)
-    try:
-        out = run(x)
-        grad_out = torch.randn(out.shape, generator=gen).to(device, out.dtype)
-        out.backward(grad_out)
-    except Exception as err:  # noqa: BLE001
-        message = reason(err)
-        if any(marker in str(err) for marker in _HARDWARE_LIMITS):
-            return f"{UNAVAILABLE} on this GPU ({message})"
-        return f"{ERROR} ({type(err).__name__}: {message})"
-    params = dict(layer.named_parameters())
-    params64 = {name: p.detach().double().requires_grad_(True) for name, p in params.items()}
-    x64 = x.detach().double().requires_grad_(True)
-    ref = reference(params64, x64)
-    ref.backward(grad_out.double())
-    return _verdict(
-        {"output": (out.detach(), ref.detach()), "dx": (x.grad, x64.grad)},
-        {name: (p.grad, params64[name].grad) for name, p in params.items()},
-        MATCH_RTOL[dtype],
-    )
-
-
-def _verdict(results: dict, gradients: dict, tolerance: float) -> str:
-    """The cell for ``{quantity: (layer's, reference's)}`` and the parameter gradients.
-
-    A parameter the reference gives a gradient must get one from the layer (a dropped bias
-    does not); one the reference does not read (e.g. an unused norm) is not judged.
-    """
-    problems, errors = [], {}
-    for name, (got, expected) in gradients.items():
-        if expected is None:
-            continue
-        if got is None:
-            problems.append(f"d{name}: the layer gives no gradient where the reference has one")
-        else:
-            results[f"d{name}"] = (got, expected)
-    for name, (got, expected) in results.items():
-        if not torch.isfinite(got).all():
-            problems.append(f"{name}: non-finite values (NaN or inf) in the layer's result")
-        else:
-            errors[name] = _rel(got, expected)
-    if problems:
-        return f"{MISMATCH} ({'; '.join(problems)})"
-    worst = max(errors, key=errors.get)
-    if errors[worst] <= tolerance:
-        return f"{MATCH} ({errors[worst]:.1e})"
-    return f"{MISMATCH} ({errors[worst]:.1e}, worst: {worst})"
+def audit_cell(path: AuditPath, fields: dict, device, dtype=torch.float32) -> str:
+    """Runs one path on one activation through the audits' runner; returns the table cell."""
+    cell = audit_runner.audit_cell(path, "", fields, device, dtype, SETTINGS)
+    return cell_text(cell)
 
 
 # --------------------------------------------------------------------- stale compiled scalars
@@ -428,17 +349,12 @@ def _init_parallel(device: str) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
-def builtin_activations() -> dict[str, dict]:
-    """``{column: config fields}`` of the built-in set, with the installed upstream's callables."""
-    return {a.name: a.fields() for a in ACTIVATIONS}
-
-
 def audit_table(
     device: str,
     with_te: bool,
     activations: Optional[dict] = None,
     dtype: torch.dtype = torch.float32,
-    progress: Optional[Callable[[str, str, str], None]] = None,
+    progress: Optional[Callable[[Cell], None]] = None,
 ) -> dict[str, dict[str, str]]:
     """``{path: {activation: cell}}`` for the installed megatron-core as it is now.
 
@@ -447,18 +363,16 @@ def audit_table(
         with_te: Also the Transformer Engine paths.
         activations: ``{column: TransformerConfig fields}``; default the built-in set.
         dtype: The layers' parameter dtype.
-        progress: Called with ``(path, activation, cell)`` after each cell.
+        progress: Called with each cell as soon as it is done.
     """
     activations = builtin_activations() if activations is None else activations
-    extra = {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
     # The #6918 sequence first: staleness needs the compile caches as a fresh process has them.
     table = {"compiled entry points": stale_scalar_row(device)}
-    for path_name, build in _paths(device, with_te).items():
-        row = table[path_name] = {}
-        for name, fields in activations.items():
-            row[name] = audit_cell(build, {**fields, **extra}, device)
-            if progress is not None:
-                progress(path_name, name, row[name])
+    cells = audit_runner.run_audit(
+        paths(with_te), activations, device, dtype, SETTINGS, progress=progress
+    )
+    for cell in cells:
+        table.setdefault(cell.path, {})[cell.activation] = cell_text(cell)
     return table
 
 
@@ -525,27 +439,12 @@ def build_parser() -> AuditArgumentParser:
     when.add_argument(
         "--patch", action="store_true", help="patch first, then audit (the patched table only)"
     )
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="audit the configurations in this JSON file instead of the built-in set: one object "
-        "or a list, each with an optional 'name' and any of: "
-        f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: fast_gelu, gelu, quick_gelu, "
-        "relu, silu, squared_relu)",
+    add_common_options(
+        parser,
+        cuda_available=torch.cuda.is_available(),
+        json_help="also write the tables as JSON to FILE",
+        device_choices=("cpu", "cuda"),
     )
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        choices=["cpu", "cuda"],
-        help="default: cuda where a GPU is usable; the Transformer Engine classes need cuda",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="the layers' parameter dtype (default: float32)",
-    )
-    parser.add_argument("--json", metavar="FILE", help="also write the tables as JSON to FILE")
     return parser
 
 
@@ -585,14 +484,7 @@ def _main(parser, args) -> int:
     with_te = args.device == "cuda" and have_te()
     columns = list(activations or builtin_activations())
     passes = 2 if args.before_after else 1
-    total = passes * len(_paths(args.device, with_te)) * len(columns)
-    done = 0
-
-    def progress(path, activation, cell):
-        nonlocal done
-        done += 1
-        status = cell.split(" (")[0]
-        print(f"[{done}/{total}] {path} / {activation}: {status}", file=sys.stderr)
+    progress = progress_printer(passes * len(paths(with_te)) * len(columns))
 
     def table():
         return audit_table(args.device, with_te, activations, dtype, progress)

@@ -24,8 +24,7 @@ import json
 from mcore_activations import megatron_patch, upstream_audit as ua
 ua._init_parallel("cpu")
 def table():
-    return {name: ua.audit_cell(build, FIELDS, "cpu")
-            for name, build in ua._paths("cpu", with_te=False).items()}
+    return {path.name: ua.audit_cell(path, FIELDS, "cpu") for path in ua.paths(with_te=False)}
 before = table()
 megatron_patch.patch_megatron_core()
 print(json.dumps({"before": before, "after": table()}))
@@ -50,18 +49,15 @@ def test_a_path_that_drops_the_returned_bias_is_a_mismatch(target):
     result = run_json(
         GPT_OSS
         + """
-import json
+import dataclasses, json
 from mcore_activations import upstream_audit as ua
 ua._init_parallel("cpu")
-def dropped(fields):
-    layer, run, reference = ua.path_mlp(fields, fused=False, device="cpu")
-    return layer, (lambda x: layer(x)[0]), reference
-def wrong_bias_grad(fields):
-    layer, run, reference = ua.path_mlp(fields, fused=False, device="cpu")
-    def run_twice_bias(x):
-        layer.linear_fc1.bias.register_hook(lambda g: 2 * g)
-        return run(x)
-    return layer, run_twice_bias, reference
+path = ua.mlp_path("MLP (unfused)", fused=False)
+dropped = dataclasses.replace(path, run=lambda layer, x, probs, tpe: layer(x)[0])
+def run_twice_bias(layer, x, probs, tpe):
+    layer.linear_fc1.bias.register_hook(lambda g: 2 * g)
+    return path.run(layer, x, probs, tpe)
+wrong_bias_grad = dataclasses.replace(path, run=run_twice_bias)
 print(json.dumps([ua.audit_cell(dropped, FIELDS, "cpu"),
                   ua.audit_cell(wrong_bias_grad, FIELDS, "cpu")]))
 """,

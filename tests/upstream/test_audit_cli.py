@@ -124,3 +124,44 @@ def test_bfloat16_keeps_its_teeth(tmp_path):
     assert tables["before"]["MLP (bias_activation_fusion)"]["dsv4"].startswith("MISMATCH")
     assert tables["after"]["MLP (bias_activation_fusion)"]["dsv4"].startswith("match")
     assert tables["before"]["MLP (unfused)"]["dsv4"].startswith("match")
+
+
+BROKEN_IN_THE_RUNNER = """
+import dataclasses, sys
+from mcore_activations import audit_runner, upstream_audit
+forward_backward = audit_runner._forward_backward
+def broken(path, *args, **kwargs):
+    if path.name == "MLP (unfused)":
+        wrong = path.run
+        path = dataclasses.replace(path, run=lambda *a: wrong(*a) * 1.01)
+    return forward_backward(path, *args, **kwargs)
+audit_runner._forward_backward = broken
+sys.exit(upstream_audit.main(sys.argv[1:]))
+"""
+
+
+def test_a_path_broken_in_the_shared_runner_is_reported(tmp_path):
+    """Teeth through the runner both audits share (the fork's side: test_activation_audit_runner
+    in the CPU tier): upstream's correct unfused MLP, made wrong inside the runner, is reported."""
+    (tmp_path / "gpt-oss.json").write_text(json.dumps(GPT_OSS))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BROKEN_IN_THE_RUNNER,
+            "--config",
+            "gpt-oss.json",
+            "--json",
+            "o.json",
+        ],
+        env=target_env("release"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    table = json.loads((tmp_path / "o.json").read_text())["tables"]["as installed"]
+    assert table["MLP (unfused)"]["gpt-oss"].startswith("MISMATCH (1.0e-02, worst: "), table
+    assert table["SequentialMLP (unfused)"]["gpt-oss"].startswith(("match", "error (")), table
+    assert "| MLP (unfused) | MISMATCH (1.0e-02" in done.stdout

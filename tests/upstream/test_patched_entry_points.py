@@ -94,17 +94,22 @@ import json
 import torch
 import torch.nn.functional as F
 from mcore_activations import megatron_patch as mp
-from mcore_activations.upstream_audit import _init_parallel, path_mlp
+from mcore_activations.upstream_audit import _init_parallel, mlp_path
 
 _init_parallel("cpu")
 fields = dict(activation_func=F.silu, gated_linear_unit=True, activation_func_clamp_value=0.5)
 gen = torch.Generator().manual_seed(0)
 
 def build():
-    layer, run, reference = path_mlp(fields, fused=True, device="cpu")
+    path = mlp_path("MLP (bias_activation_fusion)", fused=True)
+    layer = path.build(fields, "cpu", torch.float32)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    def run(x):
+        return path.run(layer, x, None, None)
+    def reference(params, x):
+        return path.reference(params, x, layer, None, None)
     return layer, run, reference
 
 x = torch.randn(24, 32, generator=gen)

@@ -36,12 +36,12 @@ from mcore_activations.audit_cells import (
 )
 from mcore_activations.audit_cli import (
     AuditArgumentParser,
+    add_common_options,
     command_name,
     one_copy_of_each_warning,
     progress_printer,
 )
 from mcore_activations.audit_config import ACTIVATION_OPTIONS as _ACTIVATION_OPTIONS
-from mcore_activations.audit_config import CONFIG_FILE_FIELDS
 from mcore_activations.audit_runner import Cell
 from megatron.core.transformer.activation_audit_paths import (  # noqa: F401 - the audit's names
     BUILT_IN,
@@ -244,30 +244,11 @@ def build_parser() -> AuditArgumentParser:
     one.add_argument(
         "--glu-linear-offset", type=float, metavar="B", help="added to the linear half (gpt-oss: 1)"
     )
-    parser.add_argument(
-        "--config",
-        metavar="FILE",
-        help="audit the configurations in this JSON file instead of the built-in set: one object "
-        "or a list, each with an optional 'name' and any of: "
-        f"{', '.join(CONFIG_FILE_FIELDS)} (activation_func by name: "
-        f"{', '.join(sorted(FUNCTIONS))})",
-    )
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda (default: cuda where a GPU is usable; the TE paths need cuda)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="the layers' parameter and compute dtype (default: float32)",
-    )
-    parser.add_argument(
-        "--json",
-        metavar="FILE",
-        help="also write the cells as JSON to FILE ('-': JSON alone on "
-        "stdout, the table on stderr)",
+    add_common_options(
+        parser,
+        cuda_available=torch.cuda.is_available(),
+        json_help="also write the cells as JSON to FILE ('-': JSON alone on stdout, the table "
+        "on stderr)",
     )
     return parser
 

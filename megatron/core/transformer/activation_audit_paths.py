@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from mcore_activations import activation_catalogue, activations
-from mcore_activations.audit_runner import AuditPath, AuditSettings, max_relative, with_bias
+from mcore_activations.audit_runner import (
+    AuditPath,
+    AuditSettings,
+    layer_config,
+    max_relative,
+    with_bias,
+)
 from mcore_activations.fusions.fused_bias_geglu import quick_gelu
 from mcore_activations.reference_mlp import grouped_layer_reference, layer_reference
 
@@ -88,23 +94,17 @@ Path = AuditPath
 
 
 def _config(kwargs, **extra):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    base = dict(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=4,
-        num_moe_experts=EXPERTS,
-        moe_ffn_hidden_size=FFN,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-    )
-    base.update(kwargs)
-    base.update(extra)
+    # ``extra`` is the path's own setting (e.g. its fusion): it wins over the audited fields.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return TransformerConfig(**base)
+        return layer_config(
+            kwargs,
+            hidden=HIDDEN,
+            ffn=FFN,
+            experts=EXPERTS,
+            defaults=dict(use_cpu_initialization=True),
+            forced=extra,
+        )
 
 
 def _local_submodules():
