@@ -170,3 +170,21 @@ def test_a_layer_builds_its_mlp_by_calling_the_spec(model_parallel):
     mlp = build_module(spec, config=config, pg_collection=pg, is_mtp_layer=False, name="mlp")
     assert isinstance(mlp, MLP) and mlp.tp_group is pg.tp
     assert sum(p.numel() for p in mlp.parameters()) == 1212
+
+
+def test_te_fused_classes_patched_on_this_module_reach_the_spec(monkeypatch):
+    # Upstream binds TEFusedMLP / TEFusedMLPWithGroupedLinear in gpt_layer_specs, and tools
+    # substitute them there (a stand-in class on a machine without TE, a subclass with hooks).
+    assert specs.TEFusedMLP is te_ext.TEFusedMLP  # read through the extension, unpatched
+    stand_in = type("TEFusedMLP", (MLP,), {})
+    grouped_stand_in = type("TEFusedMLPWithGroupedLinear", (MLP,), {})
+    monkeypatch.setattr(specs, "TEFusedMLP", stand_in)
+    monkeypatch.setattr(specs, "TEFusedMLPWithGroupedLinear", grouped_stand_in)
+
+    def mlp_class(grouped):
+        return specs.get_mlp_module_spec_for_backend(
+            backend=TESpecProvider(), use_te_op_fuser=True, use_grouped_gemm_for_dense_mlp=grouped
+        ).func.__self__
+
+    assert mlp_class(False) is stand_in
+    assert mlp_class(True) is grouped_stand_in

@@ -76,6 +76,26 @@ class _MlpSubmoduleBuilder(partial):
         return hash((self.func, self.args))
 
 
+# Upstream binds the TE fused MLP classes as module attributes (None without TE), and users and
+# tools patch them there; this module reads them from the extension lazily, so that importing it
+# never fails, and a patched attribute takes precedence at each read.
+_TE_FUSED_CLASSES = ("TEFusedMLP", "TEFusedMLPWithGroupedLinear")
+
+
+def __getattr__(name: str):
+    if name in _TE_FUSED_CLASSES:
+        from megatron.core.extensions import transformer_engine as te_ext
+
+        return getattr(te_ext, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _te_fused_class(name: str):
+    """``name`` as patched into this module, else the extension's class (None without TE)."""
+    namespace = globals()
+    return namespace[name] if name in namespace else __getattr__(name)
+
+
 def _refuse(name: str, value, supported) -> None:
     if value != supported:
         raise ValueError(
@@ -174,10 +194,8 @@ def get_mlp_module_spec_for_backend(
 
     module = MLP
     if use_te_op_fuser:
-        from megatron.core.extensions import transformer_engine as te_ext
-
         name = "TEFusedMLPWithGroupedLinear" if use_grouped_gemm_for_dense_mlp else "TEFusedMLP"
-        module = getattr(te_ext, name)
+        module = _te_fused_class(name)
         if module is None:
             raise ValueError(
                 f"use_te_op_fuser=True builds {name}, which needs Transformer Engine; install it "
