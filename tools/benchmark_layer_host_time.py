@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout's megatron/ is the fork: put it first only when the fork is what is measured.
+if "--patch" not in sys.argv:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPE = dict(seq=4, batch=2, hidden=16, ffn=24, tokens=16, experts=2)
 
