@@ -14,7 +14,9 @@ How a build or run failure is classified (the legend's words):
 - :class:`UnsupportedActivationError` while building: ``refused`` (this package's refusal);
 - another ``ValueError`` or an ``AssertionError`` while building: ``upstream config rule``;
 - an exception naming a hardware limit while running: ``unavailable`` (this GPU);
-- any other exception: ``error``; a non-finite result or a missing gradient: ``MISMATCH``.
+- any other exception: ``error``;
+- a non-finite result, or a nonzero gradient that only one side (layer or reference) has:
+  ``MISMATCH`` without a number.
 """
 
 from __future__ import annotations
@@ -46,9 +48,6 @@ EXTRA_GRADIENT = "the layer gives a gradient where the reference has none"
 
 # Run-time errors that mean "this GPU cannot run the path" (e.g. MXFP8 needs SM100), not a bug.
 HARDWARE_LIMITS = ("compute capability", "requires SM100", "not supported on this device")
-
-# A reason's length in a cell: long enough for the path, the activation and what to do instead.
-REASON_LIMIT = 400
 
 
 class PathUnavailable(Exception):
@@ -146,6 +145,9 @@ class AuditSettings:
             another order than the parent's, which moves single elements by ~1e-5).
         tolerance: dtype -> the largest error of a ``match``.
         print_tracebacks: Print an ``error`` cell's traceback to stderr.
+        reason_limit: The longest reason a cell carries (cut between words): a reason listed
+            under the table can name the path, the activation and what to do instead; one inside
+            a table cell must stay short.
     """
 
     tokens: int
@@ -156,6 +158,7 @@ class AuditSettings:
     metric: Callable
     tolerance: dict
     print_tracebacks: bool = True
+    reason_limit: int = 400
 
 
 def _forward_backward(path, layer, x, probs, tpe, grad=None, generator=None):
@@ -235,22 +238,22 @@ def _errors(out, dx, grads, ref_out, ref_dx, ref_grads, metric) -> tuple[dict, d
     return {k: v for k, v in errors.items() if k not in problems}, problems
 
 
-def _build(path: AuditPath, label: str, fields: dict, device, dtype):
+def _build(path: AuditPath, label: str, fields: dict, device, dtype, limit: int):
     """``(layer, None)``, or ``(None, cell)`` when the build says why the path cannot run."""
     try:
         return path.build(fields, device, dtype), None
     except PathUnavailable as err:
-        return None, Cell(path.name, label, UNAVAILABLE, detail=reason(err, REASON_LIMIT))
+        return None, Cell(path.name, label, UNAVAILABLE, detail=reason(err, limit))
     except UnsupportedActivationError as err:
-        return None, Cell(path.name, label, REFUSED, detail=reason(err, REASON_LIMIT))
+        return None, Cell(path.name, label, REFUSED, detail=reason(err, limit))
     except (ValueError, AssertionError) as err:
         # Upstream states its config rules as ValueError (TransformerConfig) or assert (layers),
         # which the fork keeps.
-        return None, Cell(path.name, label, UPSTREAM_RULE, detail=reason(err, REASON_LIMIT))
+        return None, Cell(path.name, label, UPSTREAM_RULE, detail=reason(err, limit))
 
 
 def _failure(path: AuditPath, label: str, err: Exception, settings: AuditSettings, when: str):
-    message = reason(err, REASON_LIMIT)
+    message = reason(err, settings.reason_limit)
     if when == "run" and any(marker in str(err) for marker in HARDWARE_LIMITS):
         return Cell(path.name, label, UNAVAILABLE, detail=f"this GPU cannot run it: {message}")
     if settings.print_tracebacks:
@@ -278,7 +281,7 @@ def audit_cell(
     """
     torch.manual_seed(1234)
     try:
-        layer, cell = _build(path, label, fields, device, dtype)
+        layer, cell = _build(path, label, fields, device, dtype, settings.reason_limit)
     except Exception as err:  # noqa: BLE001 - the audit reports every failure as a cell
         return _failure(path, label, err, settings, "build")
     if cell is not None:

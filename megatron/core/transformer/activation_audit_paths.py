@@ -58,6 +58,8 @@ SETTINGS = AuditSettings(
     tokens_per_expert=TOKENS_PER_EXPERT,
     initialise=_scale_fc1,
     probs=_probs,
+    # max |error| / max |reference|: one wrong element cannot hide in a norm; TOLERANCE was
+    # set in this metric.
     metric=max_relative,
     tolerance=TOLERANCE,
 )
