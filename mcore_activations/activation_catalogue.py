@@ -105,17 +105,18 @@ def _tests(**fields):
     return {TESTS: dict(fields)}
 
 
+def _clamp(*, tests: float, fork: float, upstream: float):
+    field = "activation_func_clamp_value"
+    return {TESTS: {field: tests}, FORK_AUDIT: {field: fork}, UPSTREAM_AUDIT: {field: upstream}}
+
+
 CATALOGUE = (
     Activation("swiglu", "silu", True, _everywhere()),
     Activation(
         "swiglu_clamp",
         "silu",
         True,
-        {
-            TESTS: dict(activation_func_clamp_value=1.5),
-            FORK_AUDIT: dict(activation_func_clamp_value=7.0),
-            UPSTREAM_AUDIT: dict(activation_func_clamp_value=0.5),
-        },
+        _clamp(tests=1.5, fork=7.0, upstream=0.5),
         family="DeepSeek-V4",
         needs_moe=True,
     ),
@@ -138,11 +139,7 @@ CATALOGUE = (
         "quick_geglu_gpt_oss",
         "quick_gelu",
         True,
-        {
-            TESTS: dict(activation_func_clamp_value=2.5),
-            FORK_AUDIT: dict(activation_func_clamp_value=7.0),
-            UPSTREAM_AUDIT: dict(activation_func_clamp_value=1.5),
-        },
+        _clamp(tests=2.5, fork=7.0, upstream=1.5),
         fields=dict(glu_linear_offset=1.0),
         family="gpt-oss",
     ),
