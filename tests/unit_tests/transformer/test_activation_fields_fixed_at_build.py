@@ -72,7 +72,7 @@ def test_editing_the_config_after_build_changes_nothing(path, device, monkeypatc
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        module = path.build(kwargs, device)
+        module = path.build(kwargs, device, torch.float32)
         specs = _specs(module)
         before = _run(path, module, device)
         _edit_every_config(module)

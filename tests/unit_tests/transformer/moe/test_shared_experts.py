@@ -417,7 +417,7 @@ def test_fused_shared_expert_state_dict_moves_weights_both_ways(pg, fake_te):
 def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, fake_te):
     """The fused class's fc1 gradient is block-interleaved like its weight; the activation audit
     maps it through the state-dict hooks before comparing with the parent's."""
-    from megatron.core.transformer.activation_audit import _grads_in_checkpoint_layout
+    from mcore_activations.audit_runner import grads_in_checkpoint_layout
 
     plain, fused = _plain_and_fused_on_one_checkpoint(pg)
     x = torch.randn(6, 2, HIDDEN)
@@ -425,7 +425,7 @@ def test_audit_compares_fused_shared_expert_gradients_in_checkpoint_layout(pg, f
     SharedExpertMLP.forward(fused, x).backward(grad)
     plain(x).backward(grad)
     fused_weight = fused.linear_fc1.weight.detach().clone()
-    mapped = _grads_in_checkpoint_layout(fused)
+    mapped = grads_in_checkpoint_layout(fused)
     expected = {name: p.grad for name, p in plain.named_parameters()}
     assert mapped.keys() == expected.keys()
     for name, value in mapped.items():
