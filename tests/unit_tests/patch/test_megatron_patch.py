@@ -134,6 +134,19 @@ def test_the_standalone_fork_is_not_patched():
     assert mp.patch_report() is None
 
 
+@pytest.mark.parametrize("before", [False, True])
+def test_a_refused_patch_leaves_the_in_place_default_as_it_was(before):
+    from mcore_activations.fusions import in_place
+
+    with in_place.use_in_place_backward(before):
+        with pytest.raises(mp.UnsupportedUpstreamError):
+            mp.patch_megatron_core(in_place_backward=not before)
+        assert in_place.in_place_backward_enabled() is before
+        with pytest.raises(TypeError, match="in_place_backward must be True, False or None"):
+            mp.patch_megatron_core(in_place_backward="on")
+        assert in_place.in_place_backward_enabled() is before
+
+
 def test_autopatch_leaves_the_standalone_fork_alone():
     code = """
         import megatron.core.transformer.mlp
