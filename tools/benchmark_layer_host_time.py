@@ -36,18 +36,10 @@ import torch
 if "--patch" not in sys.argv:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+# The sibling tool's world-of-one setup (this folder is sys.path[0] when run as a script).
+from benchmark_layer_memory import setup_single_rank  # noqa: E402
+
 SHAPE = dict(seq=4, batch=2, hidden=16, ffn=24, tokens=16, experts=2)
-
-
-def _setup(device: str) -> None:
-    from megatron.core import parallel_state, tensor_parallel
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    backend = "nccl" if device == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, world_size=1, rank=0)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=device == "cpu")
 
 
 def _config(device: str, experts: bool):
@@ -172,7 +164,7 @@ def main(argv=None) -> int:
         import mcore_activations
 
         mcore_activations.patch_megatron_core()
-    _setup(args.device)
+    setup_single_rank(args.device)
     torch.manual_seed(0)
     dense, experts = _layers(args.device)
     rows = {

@@ -74,7 +74,8 @@ def _have(module: str) -> bool:
     return True
 
 
-def _setup_parallel(device: str) -> None:
+def setup_single_rank(device: str) -> None:
+    """One process as a world of one rank, parallel state and RNG streams initialised."""
     import torch
 
     from megatron.core import parallel_state, tensor_parallel
@@ -235,7 +236,7 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
     reason = _prepare(candidate, layer, device)
     if reason is not None:
         return _skip(reason)
-    _setup_parallel(device)
+    setup_single_rank(device)
     module = _build(candidate, layer, _config(layer, shape, dtype, device, args.clamp), device)
     _fill_parameters(module)
     step, reset, x = _step_fn(layer, module, shape, dtype, device)
