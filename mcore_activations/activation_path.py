@@ -83,8 +83,7 @@ def select_activation_path(
     if config.bias_activation_fusion:
         # Lowering now, not at the first forward, makes an unsupported config fail at build.
         lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
-        if in_place.in_place_backward_enabled():
-            in_place.check_config(config, owner)
+        in_place.check_layer_config(config, owner)
         return FUSED_KERNEL_PATH
     return UNFUSED_PATH
 
@@ -258,8 +257,7 @@ def select_layer_activation(
     path = select_activation_path(config, spec, te_module_factory is not None, owner)
     if path == UNFUSED_PATH and fused_kernel_opt_in:
         lower_to_fused_kernel(spec, owner)
-        if in_place.in_place_backward_enabled():
-            in_place.check_config(config, owner)
+        in_place.check_layer_config(config, owner)
         path = FUSED_KERNEL_PATH
     func = te_module_factory() if path == TE_MODULE_PATH else config.activation_func
     return LayerActivation(

@@ -191,6 +191,15 @@ def check_config(config, owner: str) -> None:
         )
 
 
+def check_layer_config(config, owner: str) -> None:
+    """:func:`check_config` for a layer being built, when the process default is on.
+
+    The layers' construction-time check: with the option off nothing is refused.
+    """
+    if in_place_backward_enabled():
+        check_config(config, owner)
+
+
 # ------------------------------------------------------------------ runtime rules
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -103,8 +103,7 @@ def _check_grouped_mlp(upstream: Upstream):
             and not isinstance(layer.activation_func, torch.nn.Module)
         ):
             _check_fused_bias_path(upstream, layer, spec, f"{owner}(bias_activation_fusion=True)")
-            if in_place.in_place_backward_enabled():
-                in_place.check_config(config, owner)
+            in_place.check_layer_config(config, owner)
             # What the fused call of _make_grouped_weighted_swiglu needs, derived once.
             layer._mcore_kernel_plan = KernelPlan(spec)
 
