@@ -31,7 +31,7 @@ from mcore_activations.activation_spec import (
     deinterleave_glu,
     unfused_activation,
 )
-from mcore_activations.fusions import in_place
+from mcore_activations.fusions import in_place, output_recompute
 from mcore_activations.fusions.fused_activation import (
     fused_activation_with_plan,
     lower_to_fused_kernel,
@@ -112,9 +112,12 @@ class LayerActivation:
             input; None: never tagged.
         in_place_backward: The fused kernels' backward writes the input gradient over fc1's
             output (True / False); None: the process default at each call.
+        recompute_output: :meth:`release_output` frees the output once fc2 has run and
+            recomputes it before fc2's backward (True / False); None: the process default at
+            each call (``mcore_activations.fusions.output_recompute``).
 
     Raises:
-        TypeError: ``in_place_backward`` is not True, False or None.
+        TypeError: ``in_place_backward`` or ``recompute_output`` is not True, False or None.
     """
 
     __slots__ = (
@@ -123,6 +126,7 @@ class LayerActivation:
         "func",
         "fp8_input_store",
         "in_place_backward",
+        "recompute_output",
         "_offload",
         "_plan",
     )
@@ -136,12 +140,14 @@ class LayerActivation:
         fp8_input_store: bool = False,
         offload_config=None,
         in_place_backward: Optional[bool] = None,
+        recompute_output: Optional[bool] = None,
     ):
         self.spec = spec
         self.path = path
         self.func = func
         self.fp8_input_store = bool(fp8_input_store)
         self.in_place_backward = in_place.check_option(in_place_backward)
+        self.recompute_output = output_recompute.check_option(recompute_output)
         self._offload = offload_config
         self._plan = None
         if path == FUSED_KERNEL_PATH:
@@ -164,6 +170,7 @@ class LayerActivation:
             fp8_input_store=self.fp8_input_store,
             offload_config=self._offload,
             in_place_backward=self.in_place_backward,
+            recompute_output=self.recompute_output,
         )
 
     def offload_input(self) -> bool:
@@ -220,6 +227,44 @@ class LayerActivation:
             out = func(x)
             return (out * probs).to(out.dtype) if probs is not None else out
         return unfused_activation(x, self.spec, func, probs=probs)
+
+    def release_output(
+        self,
+        output: torch.Tensor,
+        fc2_output: torch.Tensor,
+        x: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        probs: Optional[torch.Tensor] = None,
+    ) -> bool:
+        """With the output-recompute option on, frees ``output`` until fc2's backward needs it.
+
+        Call it after fc2's forward, with the arguments the activation was called with: the
+        output is computed from them again, by the same kernel, just before fc2's backward
+        (``output_recompute.discard_until_backward``).
+
+        Only the fused-kernel path frees anything, and there only when the saved input is fc1's
+        output itself: that is all its backward keeps, so the recomputation costs no memory.
+        The unfused and TE-module graphs save other tensors (the biased input, halves, FP8 or
+        offloaded copies), and keeping ``x`` alive for a recomputation would cost more than the
+        output saves.
+
+        Args:
+            output: What :meth:`__call__` returned for ``x``, ``bias`` and ``probs``.
+            fc2_output: fc2's output (the tensor whose gradient reaches fc2's backward).
+            x: fc1's output, as passed to :meth:`__call__`.
+            bias: fc1's bias, as passed to :meth:`__call__`.
+            probs: The per-row weights, as passed to :meth:`__call__`.
+
+        Returns:
+            Whether the output was freed.
+        """
+        if not output_recompute.resolve(self.recompute_output):
+            return False
+        if self._plan is None or self.fp8_input_store or self.offload_input():
+            return False
+        return output_recompute.discard_until_backward(
+            output, fc2_output, lambda: self(x, bias, probs)
+        )
 
     def __repr__(self) -> str:
         return f"LayerActivation({self.spec.name}, path={self.path!r})"

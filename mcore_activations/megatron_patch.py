@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from mcore_activations.fusions import in_place
+from mcore_activations.fusions import in_place, output_recompute
 from mcore_activations.patch_env import ENV_VAR
 from mcore_activations.upstream_patch.entry_points import (
     FUSION_MODULES,
@@ -81,38 +81,51 @@ TARGET_PATCHERS = (
 )
 
 _lock = threading.Lock()
-# "in_place_before": the process default of the in-place backward before the first patch call
-# that set it, restored by the unpatch (absent when no patch call set it).
+# The process-default options a patch call may set: keyword -> (checker, setter). Their defaults
+# before the first patch call that set them are kept in _state[keyword] and restored by the
+# unpatch (absent when no patch call set them).
+_OPTIONS = {
+    "in_place_backward": (in_place.check_option, in_place.set_in_place_backward),
+    "recompute_output": (output_recompute.check_option, output_recompute.set_recompute_output),
+}
 _state: dict[str, Any] = {"report": None, "patcher": None}
 
 
-def patch_megatron_core(in_place_backward: Optional[bool] = None) -> PatchReport:
+def patch_megatron_core(
+    in_place_backward: Optional[bool] = None, recompute_output: Optional[bool] = None
+) -> PatchReport:
     """Patches the installed upstream megatron-core (idempotent); returns what it patched.
+
+    Both options set a process default (docs/performance.md, "Low-memory backward"): True or
+    False sets it, also on a call that finds the patch in force; None (the default) keeps the
+    one chosen by the environment or an earlier call (off unless set).
+    :func:`unpatch_megatron_core` restores the defaults this call replaced.
 
     Args:
         in_place_backward: The fused activations' backward writes the input gradient over the
-            saved fc1 output instead of a new buffer (docs/performance.md, "Low-memory
-            backward"): True or False sets the process default, also on a call that finds the
-            patch in force; None (the default) keeps the one chosen by
-            ``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD`` or an earlier call (off unless set). Layers
-            whose config makes it unsafe (activation offloading, ``moe_act`` recompute, CUDA
-            graphs) are refused when built; :func:`unpatch_megatron_core` restores the default
-            this call replaced.
+            saved fc1 output instead of a new buffer (``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD``).
+            Layers whose config makes it unsafe (activation offloading, ``moe_act`` recompute,
+            CUDA graphs) are refused when built.
+        recompute_output: ``MLP`` layers on the fused path free the activation's output once
+            fc2 has run and recompute it before fc2's backward
+            (``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT``).
 
     Returns:
         The report of the patch in force: the same object on every call until
         :func:`unpatch_megatron_core`.
 
     Raises:
-        TypeError: ``in_place_backward`` is not True, False or None.
+        TypeError: ``in_place_backward`` or ``recompute_output`` is not True, False or None.
         UnsupportedUpstreamError: The installed megatron-core is unknown or modified; nothing
             was patched.
     """
-    in_place.check_option(in_place_backward)
+    requested = {"in_place_backward": in_place_backward, "recompute_output": recompute_output}
+    for name, value in requested.items():
+        _OPTIONS[name][0](value)
     with _lock:
-        if in_place_backward is not None:
-            previous = in_place.set_in_place_backward(in_place_backward)
-            _state.setdefault("in_place_before", previous)
+        for name, value in requested.items():
+            if value is not None:
+                _state.setdefault(name, _OPTIONS[name][1](value))
         if _state["report"] is not None:
             return _state["report"]
         try:
@@ -124,7 +137,7 @@ def patch_megatron_core(in_place_backward: Optional[bool] = None) -> PatchReport
                 patcher.undo()
                 raise
         except Exception:
-            _restore_in_place_default()
+            _restore_option_defaults()
             raise
         _state.update(report=patcher.report(), patcher=patcher)
         return _state["report"]
@@ -135,19 +148,19 @@ def unpatch_megatron_core() -> None:
 
     A layer built while patched then runs upstream's own forward again, computing what upstream
     computes for its config, until the next :func:`patch_megatron_core` gives it the fixed path
-    back. The in-place backward's process default returns to what it was before a patch call
-    set it.
+    back. The options' process defaults return to what they were before a patch call set them.
     """
     with _lock:
         if _state["patcher"] is not None:
             _state["patcher"].undo()
         _state.update(report=None, patcher=None)
-        _restore_in_place_default()
+        _restore_option_defaults()
 
 
-def _restore_in_place_default() -> None:
-    if "in_place_before" in _state:
-        in_place.set_in_place_backward(_state.pop("in_place_before"))
+def _restore_option_defaults() -> None:
+    for name, (_, setter) in _OPTIONS.items():
+        if name in _state:
+            setter(_state.pop(name))
 
 
 def patch_report() -> Optional[PatchReport]:

@@ -62,8 +62,8 @@ def attach_mlp_activation(layer) -> None:
     )
 
 
-def mlp_activate(layer, x, bias, per_token_scale):
-    """The activation of a patched layer, as built at construction (now, if built before)."""
+def layer_activation(layer) -> paths.LayerActivation:
+    """A patched layer's activation, as built at construction (now, if built before)."""
     activation = getattr(layer, "_mcore_activation", None)
     if activation is None:
         attach_mlp_activation(layer)  # a layer built before the patch: decide now
@@ -71,9 +71,14 @@ def mlp_activate(layer, x, bias, per_token_scale):
     elif activation.spec is not layer.activation_spec:
         # activation_spec was assigned after construction; the layer computes what it names.
         activation = layer._mcore_activation = activation.with_spec(layer.activation_spec)
+    return activation
+
+
+def mlp_activate(layer, x, bias, per_token_scale):
+    """The activation of a patched layer on fc1's output ``x``."""
     probs = paths.per_token_probs(per_token_scale, x)
     # Upstream reads its ``activation_func`` at every forward (see LayerActivation.__call__).
-    return activation(x, bias, probs, func=layer.activation_func)
+    return layer_activation(layer)(x, bias, probs, func=layer.activation_func)
 
 
 def _nvtx(module, what: str, suffix: str) -> None:
@@ -86,14 +91,18 @@ def _make_mlp_forward(mlp_module):
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         """MLP forward with the activation of ``self.activation_spec`` (mcore_activations)."""
         _nvtx(mlp_module, "push", "linear_fc1")
-        intermediate, bias = self.linear_fc1(hidden_states)
+        fc1_output, bias = self.linear_fc1(hidden_states)
         _nvtx(mlp_module, "pop", "linear_fc1")
         _nvtx(mlp_module, "push", "activation")
-        intermediate = mlp_activate(self, intermediate, bias, per_token_scale)
+        activation = layer_activation(self)
+        probs = paths.per_token_probs(per_token_scale, fc1_output)
+        intermediate = activation(fc1_output, bias, probs, func=self.activation_func)
         _nvtx(mlp_module, "pop", "activation")
         _nvtx(mlp_module, "push", "linear_fc2")
         output, output_bias = self.linear_fc2(intermediate)
         _nvtx(mlp_module, "pop", "linear_fc2")
+        # With the output-recompute option, fc2's saved input is freed until its backward.
+        activation.release_output(intermediate, output, fc1_output, bias, probs)
         if per_token_scale is not None and output_bias is not None:
             output = paths.add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None

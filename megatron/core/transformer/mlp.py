@@ -213,9 +213,13 @@ class MLP(MegatronModule):
             bias for the caller to add (fused with dropout upstream), or None when the layer has
             no bias or ``per_token_scale`` was given.
         """
-        intermediate, fc1_bias = self.linear_fc1(hidden_states)
-        intermediate = self._activate(intermediate, fc1_bias, per_token_scale)
+        fc1_output, fc1_bias = self.linear_fc1(hidden_states)
+        probs = per_token_probs(per_token_scale, fc1_output)
+        activation = self._current_activation()
+        intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
         output, output_bias = self.linear_fc2(intermediate)
+        # With the output-recompute option, fc2's saved input is freed until its backward.
+        activation.release_output(intermediate, output, fc1_output, fc1_bias, probs)
 
         if per_token_scale is not None and output_bias is not None:
             # Every token's contribution, bias included, is weighted by its router probability.
@@ -234,11 +238,14 @@ class MLP(MegatronModule):
         The result is in ``x.dtype``; ``per_token_scale`` multiplies each row.
         """
         probs = per_token_probs(per_token_scale, x)
+        return self._current_activation()(x, bias, probs, func=self.activation_func)
+
+    def _current_activation(self) -> LayerActivation:
         activation = self.layer_activation
         if activation.spec is not self.activation_spec:
             # activation_spec was assigned after construction; the layer computes what it names.
             activation = self.layer_activation = activation.with_spec(self.activation_spec)
-        return activation(x, bias, probs, func=self.activation_func)
+        return activation
 
     def backward_dw(self):
         """Computes the deferred weight gradients of fc2, then fc1 (delayed wgrad compute)."""

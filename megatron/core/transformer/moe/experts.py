@@ -409,20 +409,26 @@ class TEGroupedMLP(MegatronModule):
             hidden_states, probs = _apply_probs_on_input(self.config, hidden_states, probs)
         probs = probs.unsqueeze(-1)
 
-        intermediate, fc1_bias = self.linear_fc1(hidden_states, split_sizes)
-        intermediate = self._activate(intermediate, fc1_bias, probs)
+        fc1_output, fc1_bias = self.linear_fc1(hidden_states, split_sizes)
+        activation = self._current_activation()
+        intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
         output, fc2_bias = self.linear_fc2(intermediate, split_sizes)
+        # With the output-recompute option, fc2's saved input is freed until its backward.
+        activation.release_output(intermediate, output, fc1_output, fc1_bias, probs)
         return _apply_bias(output, fc2_bias, split_sizes, probs), None
 
     def _activate(
         self, x: torch.Tensor, bias: Optional[torch.Tensor], probs: torch.Tensor
     ) -> torch.Tensor:
         """The activation of fc1's output, weighted by ``probs`` (``[tokens, 1]``)."""
+        return self._current_activation()(x, bias, probs, func=self.activation_func)
+
+    def _current_activation(self) -> LayerActivation:
         activation = self.layer_activation
         if activation.spec is not self.activation_spec:
             # activation_spec was assigned after construction; the layer computes what it names.
             activation = self.layer_activation = activation.with_spec(self.activation_spec)
-        return activation(x, bias, probs, func=self.activation_func)
+        return activation
 
     # ------------------------------------------------------------ Transformer Engine ops
     def _is_fused_impl_supported(self) -> bool:

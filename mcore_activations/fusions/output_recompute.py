@@ -1,0 +1,178 @@
+"""The output-recompute option: fc2 does not keep the activation's output between the passes.
+
+An MLP saves two activation-sized tensors for its backward: fc1's output ``x`` (the activation's
+backward reads it) and the activation's output ``y`` (fc2 saves it for its weight gradient).
+``y`` is a function of ``x``, so with the option on the layer frees ``y``'s storage once fc2's
+forward has run and recomputes it from ``x`` just before fc2's backward: one ``[tokens, ffn]``
+tensor less per layer between the forward and the backward, for one activation forward more in
+the backward (docs/performance.md, "Low-memory backward", has the measured trade).
+
+The recomputation writes the same bits: the same activation, on the same ``x``, bias and
+probabilities, through the same kernel (no randomness is involved). It refills the storage that
+fc2's saved reference points at, so fc2 needs no change, whichever linear it is.
+
+It composes with the in-place backward (``in_place``): the refill runs before fc2's backward, and
+the activation's backward, which may write over ``x``, runs after fc2's.
+
+The option is off by default, as upstream behaves. Where it comes from, first match wins:
+
+1. the layer's own setting (``LayerActivation(recompute_output=...)``);
+2. the process default set by :func:`set_recompute_output` (or :func:`use_recompute_output`);
+3. the environment variable ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT``, read when this module is
+   first imported and parsed as strictly as ``MCORE_ACTIVATIONS_PATCH``.
+
+The output is kept (nothing is freed, nothing recomputed) where freeing it would save nothing or
+could not be undone in time: no gradient flows to fc2's output; a CUDA graph is being captured or
+``torch.compile`` is tracing (a replay would neither free nor refill); the output is not
+contiguous or shares its storage with other values (a slice of a larger buffer), which freeing
+would destroy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Optional
+
+import torch
+
+from mcore_activations.patch_env import OFF, ON
+
+ENV_VAR = "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT"
+OPTION = "recompute_output"
+
+
+def recompute_output_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """What ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT`` asks for; unset means off.
+
+    Args:
+        environ: The environment to read; default ``os.environ``.
+
+    Raises:
+        ValueError: Any value other than 1 / true / yes / on, 0 / false / no / off or empty.
+    """
+    raw = (os.environ if environ is None else environ).get(ENV_VAR)
+    value = "" if raw is None else raw.strip().lower()
+    if value in ON:
+        return True
+    if value in OFF:
+        return False
+    raise ValueError(
+        f"{ENV_VAR}={raw!r} is not understood: use 1 / true / yes / on to recompute the "
+        "activation's output in the backward, or 0 / false / no / off (or leave it unset) to "
+        "keep it."
+    )
+
+
+_default = recompute_output_from_env()
+
+
+def check_option(value) -> Optional[bool]:
+    """``value`` if it is True, False or None (the process default).
+
+    Raises:
+        TypeError: any other value, naming the option.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    raise TypeError(f"{OPTION} must be True, False or None (the process default), got {value!r}.")
+
+
+def recompute_output_enabled() -> bool:
+    """The process default: whether layers that do not set the option recompute their output."""
+    return _default
+
+
+def set_recompute_output(enabled: bool) -> bool:
+    """Sets the process default; returns the previous one.
+
+    Raises:
+        TypeError: ``enabled`` is not a bool.
+    """
+    global _default
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_recompute_output expects True or False, got {enabled!r}.")
+    previous, _default = _default, enabled
+    return previous
+
+
+@contextlib.contextmanager
+def use_recompute_output(enabled: bool) -> Iterator[None]:
+    """Sets the process default inside the block and restores it on the way out."""
+    previous = set_recompute_output(enabled)
+    try:
+        yield
+    finally:
+        set_recompute_output(previous)
+
+
+def resolve(value: Optional[bool]) -> bool:
+    """The option for one call: ``value``, or the process default when it is None."""
+    return _default if check_option(value) is None else value
+
+
+def _fills_its_storage(t: torch.Tensor) -> bool:
+    # Freeing the storage must destroy nothing but ``t``'s values; another view of the same
+    # bytes (the fused kernels' 2-D output behind a 3-D result) is refilled with them.
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+def discard_until_backward(
+    output: torch.Tensor,
+    consumer_output: torch.Tensor,
+    recompute: Callable[[], torch.Tensor],
+) -> bool:
+    """Frees ``output``'s storage now and refills it before ``consumer_output``'s backward.
+
+    Call it after the consumer (fc2) has run its forward on ``output``. ``recompute`` runs under
+    ``torch.no_grad()`` when the backward reaches the node that made ``consumer_output``, before
+    that node runs, and must return ``output``'s values in its shape and dtype. Upstream's
+    ``CheckpointWithoutOutput`` frees a block's output the same way; here the activation's own
+    graph is kept (it saves only fc1's output), so nothing but the output is computed again.
+
+    Args:
+        output: The tensor to free: the activation's output, which the consumer saved.
+        consumer_output: The consumer's output; its gradient function triggers the refill.
+        recompute: Computes the output again from inputs the backward still has.
+
+    Returns:
+        Whether the storage was freed (see the module docstring for when it is kept).
+    """
+    if torch.compiler.is_compiling():
+        return False  # storage cannot be freed or refilled inside a traced graph
+    node = consumer_output.grad_fn
+    if node is None or not torch.is_grad_enabled() or output.numel() == 0:
+        return False
+    if not _fills_its_storage(output):
+        return False
+    if output.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    storage = output.untyped_storage()
+    nbytes = storage.nbytes()
+    shape, dtype = output.shape, output.dtype
+    storage.resize_(0)
+
+    def refill(_grad_outputs):
+        if storage.nbytes() == nbytes:
+            return None  # a second backward through a retained graph: still filled
+        with torch.no_grad():
+            fresh = recompute()
+        if fresh.shape != shape or fresh.dtype != dtype:
+            raise RuntimeError(
+                f"{OPTION}: the recomputed activation output is {tuple(fresh.shape)} "
+                f"{fresh.dtype}, the forward's was {tuple(shape)} {dtype}."
+            )
+        storage.resize_(nbytes)
+        # Written through a tensor of its own on the same storage: the consumer's saved
+        # reference sees the data, and its version counter (autograd's check) is not bumped.
+        target = torch.empty(0, dtype=dtype, device=fresh.device).set_(storage, 0, shape)
+        target.copy_(fresh)
+        return None
+
+    node.register_prehook(refill)
+    return True
