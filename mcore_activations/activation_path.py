@@ -33,6 +33,7 @@ from mcore_activations.activation_spec import (
 )
 from mcore_activations.fusions import in_place, output_recompute
 from mcore_activations.fusions.fused_activation import (
+    fused_activation_into,
     fused_activation_with_plan,
     lower_to_fused_kernel,
 )
@@ -239,7 +240,8 @@ class LayerActivation:
         """With the output-recompute option on, frees ``output`` until fc2's backward needs it.
 
         Call it after fc2's forward, with the arguments the activation was called with: the
-        output is computed from them again, by the same kernel, just before fc2's backward
+        output is computed from them again, by the same kernel, into its own storage, just before
+        fc2's backward
         (``output_recompute.discard_until_backward``).
 
         Only the fused-kernel path frees anything, and there only when the saved input is fc1's
@@ -262,8 +264,9 @@ class LayerActivation:
             return False
         if self._plan is None or self.fp8_input_store or self.offload_input():
             return False
+        plan = self._plan
         return output_recompute.discard_until_backward(
-            output, fc2_output, lambda: self(x, bias, probs)
+            output, fc2_output, lambda target: fused_activation_into(plan, target, x, bias, probs)
         )
 
     def __repr__(self) -> str:

@@ -107,17 +107,19 @@ def _triton_kernels():
     return triton_kernels
 
 
-def _forward(backend: str, variant, x, bias, probs, params) -> torch.Tensor:
+def _forward(backend: str, variant, x, bias, probs, params, out=None) -> torch.Tensor:
     if backend == "triton":
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 f"the 'triton' activation backend got a {x.device.type} tensor; it runs on CUDA "
                 "(or on CPU under TRITON_INTERPRET=1). Choose 'inductor' or 'eager' instead."
             )
-        return _triton_kernels().triton_forward(variant, x, bias, probs, params)
+        return _triton_kernels().triton_forward(variant, x, bias, probs, params, out=out)
     if backend == "inductor":
-        return activation_kernels.compiled_forward(variant, x, bias, probs, params)
-    return activation_kernels.forward_math(variant, x, bias, probs, params)
+        result = activation_kernels.compiled_forward(variant, x, bias, probs, params)
+    else:
+        result = activation_kernels.forward_math(variant, x, bias, probs, params)
+    return result if out is None else out.copy_(result)
 
 
 def _backward(backend: str, variant, grad, x, bias, probs, params, in_place=False):
@@ -247,6 +249,17 @@ def run_forward(variant: KernelVariant, x, bias, probs, params) -> torch.Tensor:
     if plain_eager_call(x, bias, probs, params):
         return _forward(kernel_backend(x.device), variant, x, bias, probs, params)
     return activation_forward_op(x, bias, probs, params, *structure_args(variant))
+
+
+def run_forward_into(variant: KernelVariant, x, bias, probs, params, out) -> torch.Tensor:
+    """:func:`run_forward` writing into ``out`` (contiguous ``[rows, F]``, ``x``'s dtype).
+
+    The Triton kernels store straight into ``out``; the other backends, and calls a tracer or a
+    tensor subclass sees, compute a new tensor and copy it over.
+    """
+    if plain_eager_call(x, bias, probs, params, out):
+        return _forward(kernel_backend(x.device), variant, x, bias, probs, params, out)
+    return out.copy_(run_forward(variant, x, bias, probs, params))
 
 
 def run_backward(variant: KernelVariant, grad, x, bias, probs, params):

@@ -38,6 +38,7 @@ from mcore_activations.fusions.activation_ops import (
     run_backward,
     run_backward_in_place,
     run_forward,
+    run_forward_into,
 )
 from mcore_activations.kernel_params import constant_scalars
 
@@ -90,6 +91,27 @@ def _kernel_args(spec, plan, x, bias, probs):
         return plan.variant(bias, probs), plan.params(x.device)
     variant = KernelVariant.of(spec, has_bias=bias is not None, has_probs=probs is not None)
     return variant, params_tensor(spec_params(spec), x.device)
+
+
+def fused_activation_into(plan, out, x, bias=None, probs=None) -> torch.Tensor:
+    """Writes the forward of ``plan.spec`` on ``x`` into ``out``, without autograd.
+
+    For the output recompute, which refills the storage of an output freed after the forward:
+    the same kernel and the same bits as the forward that made it (the inputs were checked then).
+
+    Args:
+        plan: The layer's ``kernel_plan.KernelPlan``.
+        out: A contiguous tensor shaped and typed as the forward's output.
+        x, bias, probs: The forward's inputs.
+
+    Returns:
+        ``out``.
+    """
+    variant, params = _kernel_args(plan.spec, plan, x, bias, probs)
+    x2d, probs2d = _flatten(x, probs)
+    with torch.no_grad():
+        run_forward_into(variant, x2d, bias, probs2d, params, out.view(x2d.shape[0], -1))
+    return out
 
 
 def _forward_no_autograd(spec, x, bias, probs, eager=False, plan=None):

@@ -125,20 +125,24 @@ def _fills_its_storage(t: torch.Tensor) -> bool:
 def discard_until_backward(
     output: torch.Tensor,
     consumer_output: torch.Tensor,
-    recompute: Callable[[], torch.Tensor],
+    recompute: Callable[[torch.Tensor], object],
 ) -> bool:
     """Frees ``output``'s storage now and refills it before ``consumer_output``'s backward.
 
-    Call it after the consumer (fc2) has run its forward on ``output``. ``recompute`` runs under
-    ``torch.no_grad()`` when the backward reaches the node that made ``consumer_output``, before
-    that node runs, and must return ``output``'s values in its shape and dtype. Upstream's
-    ``CheckpointWithoutOutput`` frees a block's output the same way; here the activation's own
-    graph is kept (it saves only fc1's output), so nothing but the output is computed again.
+    Call it after the consumer (fc2) has run its forward on ``output``. When the backward reaches
+    the node that made ``consumer_output``, before that node runs, the storage is allocated
+    again and ``recompute(target)`` is called under ``torch.no_grad()`` with ``target`` a tensor
+    of ``output``'s shape and dtype on it, to fill with ``output``'s values. Writing straight
+    into the storage keeps the backward's peak where it was: no second output-sized buffer.
+    Upstream's ``CheckpointWithoutOutput`` frees a block's output the same way; here the
+    activation's own graph is kept (it saves only fc1's output), so nothing but the output is
+    computed again.
 
     Args:
         output: The tensor to free: the activation's output, which the consumer saved.
         consumer_output: The consumer's output; its gradient function triggers the refill.
-        recompute: Computes the output again from inputs the backward still has.
+        recompute: Fills the tensor it is given with the output's values, from inputs the
+            backward still has.
 
     Returns:
         Whether the storage was freed (see the module docstring for when it is kept).
@@ -154,24 +158,18 @@ def discard_until_backward(
         return False
     storage = output.untyped_storage()
     nbytes = storage.nbytes()
-    shape, dtype = output.shape, output.dtype
+    shape, dtype, device = output.shape, output.dtype, output.device
     storage.resize_(0)
 
     def refill(_grad_outputs):
         if storage.nbytes() == nbytes:
             return None  # a second backward through a retained graph: still filled
-        with torch.no_grad():
-            fresh = recompute()
-        if fresh.shape != shape or fresh.dtype != dtype:
-            raise RuntimeError(
-                f"{OPTION}: the recomputed activation output is {tuple(fresh.shape)} "
-                f"{fresh.dtype}, the forward's was {tuple(shape)} {dtype}."
-            )
         storage.resize_(nbytes)
-        # Written through a tensor of its own on the same storage: the consumer's saved
-        # reference sees the data, and its version counter (autograd's check) is not bumped.
-        target = torch.empty(0, dtype=dtype, device=fresh.device).set_(storage, 0, shape)
-        target.copy_(fresh)
+        # A tensor of its own on the same storage: the consumer's saved reference sees the
+        # values, and its version counter (autograd's check) is not bumped.
+        target = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+        with torch.no_grad():
+            recompute(target)
         return None
 
     node.register_prehook(refill)

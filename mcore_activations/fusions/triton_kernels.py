@@ -173,7 +173,14 @@ _backward_launcher = _Launcher(_activation_bwd_kernel)
 
 
 def triton_forward(
-    v, x, bias, probs, params, *, options: LaunchOptions = DEFAULT_OPTIONS
+    v,
+    x,
+    bias,
+    probs,
+    params,
+    *,
+    options: LaunchOptions = DEFAULT_OPTIONS,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Forward of a kernel variant on a contiguous 2-D input.
 
@@ -184,14 +191,17 @@ def triton_forward(
         probs: the per-row probabilities ``[rows, 1]``, or None.
         params: the float32 parameter tensor (``kernel_params``) on ``x``'s device.
         options: the launch plans' numbers; production passes none.
+        out: a contiguous ``[rows, F]`` tensor of ``x``'s dtype to write the activation into
+            (the output recompute refills a freed output in place); None allocates one.
 
     Returns:
-        The activation, ``[rows, F]`` in ``x``'s dtype.
+        The activation, ``[rows, F]`` in ``x``'s dtype (``out`` when given).
     """
     x, bias, probs = _contiguous(x, bias, probs)
     rows, width = x.shape
     F = width // 2 if v.gated else width
-    out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((rows, F), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     if plans.uses_flat_kernel(v, False, options):

@@ -196,13 +196,23 @@ def test_compiled_region_keeps_the_output():
     assert torch.equal(w.grad, w_ref.grad) and torch.equal(leaf.grad, leaf_ref.grad)
 
 
-def test_recompute_that_returns_another_shape_is_an_error():
+def test_recompute_fills_the_freed_storage_itself():
     x = torch.randn(4, 8, requires_grad=True)
     y = x * 2
-    out = y.sum(dim=0)
-    assert output_recompute.discard_until_backward(y, out, lambda: torch.zeros(3, 8))
-    with pytest.raises(RuntimeError, match="recomputed activation output is \\(3, 8\\)"):
-        out.sum().backward()
+    out = (y * y.detach()).sum()
+    seen = []
+
+    def recompute(target):
+        seen.append((tuple(target.shape), target.dtype, target.untyped_storage()))
+        target.copy_(x.detach() * 2)
+
+    version = y._version
+    assert output_recompute.discard_until_backward(y, out, recompute)
+    out.backward()
+    ((shape, dtype, storage),) = seen
+    assert (shape, dtype) == ((4, 8), torch.float32)
+    assert storage.data_ptr() == y.untyped_storage().data_ptr() != 0
+    assert torch.equal(y, x.detach() * 2) and y._version == version
 
 
 # ------------------------------------------------------------------------------ the layers
@@ -338,14 +348,17 @@ def test_process_default_setters():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_clamp", "quick_geglu_gpt_oss"])
-def test_freed_output_lowers_the_memory_held_between_the_passes(name):
+def test_freed_output_lowers_the_memory_held_and_not_the_peak(name, in_place):
+    """Between the passes one output less is held; the backward's peak does not grow (the
+    output is recomputed into its own storage, not into a second buffer)."""
     spec = SPECS[name]
     rows, ffn = 4096, 2048
     x, bias, probs, weight, grad = _inputs(spec, torch.bfloat16, True, True, rows, ffn, "cuda")
-    held = {}
+    held, peak = {}, {}
     for enabled in (False, True):
-        activation = _fused(spec, recompute_output=enabled)
+        activation = _fused(spec, recompute_output=enabled, in_place_backward=in_place)
         leaf = x.clone().requires_grad_()
         w = weight.clone().requires_grad_()
         torch.cuda.synchronize()
@@ -354,8 +367,11 @@ def test_freed_output_lowers_the_memory_held_between_the_passes(name):
         y = activation(fc1_out, bias, probs)
         out = y @ w
         activation.release_output(y, out, fc1_out, bias, probs)
-        del y
+        del y, fc1_out
         held[enabled] = torch.cuda.memory_allocated() - before
+        torch.cuda.reset_peak_memory_stats()
         out.backward(grad)
-        del out, fc1_out
+        peak[enabled] = torch.cuda.max_memory_allocated() - before
+        del out
     assert held[False] - held[True] == rows * ffn * 2
+    assert peak[True] <= peak[False], peak
