@@ -18,6 +18,10 @@ patch, reaches the next):
 - ``patched``: after ``mcore_activations.patch_megatron_core()``;
 - ``patched_inplace``: patched, with ``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD=1`` (the activation's
   backward writes its input gradient over fc1's output);
+- ``patched_recompute`` / ``patched_inplace_recompute``: patched, with
+  ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT=1`` (fc2's input freed after the forward and recomputed
+  before fc2's backward), without and with the in-place backward; dense only (upstream's
+  ``TEGroupedMLP`` keeps its own forward under the patch);
 - ``te_fused_mlp``: upstream's ``TEFusedMLP`` (Transformer Engine's op fuser), dense only, where TE
   imports;
 - ``liger`` / ``liger_inplace``: Liger-Kernel's Megatron SwiGLU (``apply_liger_kernel_to_megatron(
@@ -27,7 +31,9 @@ patch, reaches the next):
 Each child times ``--iters`` forward+backward steps after ``--warmup`` (median, CUDA events) and
 measures the peak memory of one step beyond what was allocated before it (parameters, their
 gradients, the input and the output gradient): ``torch.cuda.max_memory_allocated`` after
-``reset_peak_memory_stats``. The activations' memory is the difference between candidates. It
+``reset_peak_memory_stats``; and ``held``, what the layer keeps between its forward and its
+backward (allocated after the forward, output included), which a model holds once per layer
+until the backward reaches it. The activations' memory is the difference between candidates. It
 also reports a checksum of the output and the input gradient, so that a candidate computing
 something else stands out. One JSON holds every row; a markdown table goes to stdout.
 
@@ -49,10 +55,26 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CANDIDATES = ("upstream", "patched", "patched_inplace", "te_fused_mlp", "liger", "liger_inplace")
+CANDIDATES = (
+    "upstream",
+    "patched",
+    "patched_inplace",
+    "patched_recompute",
+    "patched_inplace_recompute",
+    "te_fused_mlp",
+    "liger",
+    "liger_inplace",
+)
 LAYERS = ("dense", "experts")
-DENSE_ONLY = {"te_fused_mlp", "liger", "liger_inplace"}
+DENSE_ONLY = {
+    "te_fused_mlp",
+    "liger",
+    "liger_inplace",
+    "patched_recompute",
+    "patched_inplace_recompute",
+}
 IN_PLACE_ENV = "MCORE_ACTIVATIONS_IN_PLACE_BACKWARD"
+RECOMPUTE_ENV = "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT"
 MIB = 2**20
 
 # Full size: a Llama-3-8B-like dense MLP (8192 tokens) and eight 2048-wide experts over 32768
@@ -189,7 +211,8 @@ def _fill_parameters(module) -> None:
 
 
 def _step_fn(layer: str, module, shape: dict, dtype, device: str):
-    """``(step, reset)``: one forward+backward, and what clears its gradients of the input."""
+    """``(forward, step, reset, x, grad)``: the forward, one forward+backward, what clears the
+    input's gradient, the input and the output gradient."""
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -206,18 +229,19 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
         share, rest = divmod(shape["tokens"], shape["experts"])
         counts = torch.tensor([share + (i < rest) for i in range(shape["experts"])])
 
+    def forward():
+        out, _ = module(x) if layer == "dense" else module(x, counts, probs)
+        return out
+
     def step():
-        if layer == "dense":
-            out, _ = module(x)
-        else:
-            out, _ = module(x, counts, probs)
+        out = forward()
         out.backward(grad)
         return out
 
     def reset():
         x.grad = None
 
-    return step, reset, x
+    return forward, step, reset, x, grad
 
 
 def _checksums(out, x) -> dict:
@@ -239,7 +263,7 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
     setup_single_rank(device)
     module = _build(candidate, layer, _config(layer, shape, dtype, device, args.clamp), device)
     _fill_parameters(module)
-    step, reset, x = _step_fn(layer, module, shape, dtype, device)
+    forward, step, reset, x, grad = _step_fn(layer, module, shape, dtype, device)
     for _ in range(args.warmup):
         reset()
         step()
@@ -250,12 +274,15 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        out = step()
+        out = forward()
+        torch.cuda.synchronize()
+        row["held_mib"] = (torch.cuda.memory_allocated() - base) / MIB
+        out.backward(grad)
         torch.cuda.synchronize()
         row["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / MIB
     else:
         out = step()
-        row["peak_mib"] = None
+        row["peak_mib"] = row["held_mib"] = None
     row |= _checksums(out, x)
     del out
     times = []
@@ -273,9 +300,10 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
             step()
             times.append((time.perf_counter() - began) * 1e3)
     row["ms"] = statistics.median(times)
-    from mcore_activations.fusions import in_place
+    from mcore_activations.fusions import in_place, output_recompute
 
     row["in_place_backward"] = in_place.in_place_backward_enabled()
+    row["recompute_output"] = output_recompute.recompute_output_enabled()
     return row
 
 
@@ -287,7 +315,8 @@ def _child_env(candidate: str) -> dict:
     link_dir = Path(tempfile.mkdtemp(prefix="layer-bench-"))
     (link_dir / "mcore_activations").symlink_to(ROOT / "mcore_activations")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(link_dir), env.get("PYTHONPATH")]))
-    env[IN_PLACE_ENV] = "1" if candidate == "patched_inplace" else "0"
+    env[IN_PLACE_ENV] = "1" if candidate.startswith("patched_inplace") else "0"
+    env[RECOMPUTE_ENV] = "1" if candidate.endswith("_recompute") else "0"
     env.pop("MCORE_ACTIVATIONS_PATCH", None)  # each candidate patches (or not) itself
     return env
 
@@ -317,21 +346,25 @@ def _forwarded(args) -> list[str]:
 def markdown(rows: list[dict]) -> str:
     """The rows as a table: time, peak and their ratio to the unpatched upstream layer."""
     lines = [
-        "| layer | candidate | f+b ms | peak MiB | vs upstream (time / peak) | note |",
-        "|---|---|---|---|---|---|",
+        "| layer | candidate | f+b ms | held MiB | peak MiB | vs upstream (time / held / peak) "
+        "| note |",
+        "|---|---|---|---|---|---|---|",
     ]
     base = {r["layer"]: r for r in rows if r["candidate"] == "upstream" and r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['layer']} | {r['candidate']} | - | - | - | {r['reason']} |")
+            lines.append(f"| {r['layer']} | {r['candidate']} | - | - | - | - | {r['reason']} |")
             continue
+        held = "-" if r.get("held_mib") is None else f"{r['held_mib']:.0f}"
         peak = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
         ref, ratio = base.get(r["layer"]), "-"
         if ref is not None:
             ratio = f"{r['ms'] / ref['ms']:.3f}"
-            if r["peak_mib"] and ref["peak_mib"]:
-                ratio += f" / {r['peak_mib'] / ref['peak_mib']:.3f}"
-        lines.append(f"| {r['layer']} | {r['candidate']} | {r['ms']:.3f} | {peak} | {ratio} | |")
+            for key in ("held_mib", "peak_mib"):
+                if r.get(key) and ref.get(key):
+                    ratio += f" / {r[key] / ref[key]:.3f}"
+        cells = f"{r['ms']:.3f} | {held} | {peak} | {ratio}"
+        lines.append(f"| {r['layer']} | {r['candidate']} | {cells} | |")
     return "\n".join(lines)
 
 

@@ -31,18 +31,29 @@ def test_dry_run_shapes_and_overrides():
 
 def test_markdown_ratios_to_upstream_and_skips():
     rows = [
-        {"layer": "dense", "candidate": "upstream", "status": "ok", "ms": 2.0, "peak_mib": 300.0},
         {
             "layer": "dense",
-            "candidate": "patched_inplace",
+            "candidate": "upstream",
+            "status": "ok",
+            "ms": 2.0,
+            "held_mib": 400.0,
+            "peak_mib": 300.0,
+        },
+        {
+            "layer": "dense",
+            "candidate": "patched_inplace_recompute",
             "status": "ok",
             "ms": 1.9,
+            "held_mib": 300.0,
             "peak_mib": 200.0,
         },
         {"layer": "dense", "candidate": "liger", "status": "skipped", "reason": "not installed"},
     ]
     lines = markdown(rows).splitlines()
-    assert "| dense | patched_inplace | 1.900 | 200 | 0.950 / 0.667 | |" in lines
+    assert (
+        "| dense | patched_inplace_recompute | 1.900 | 300 | 200 | 0.950 / 0.750 / 0.667 | |"
+        in lines
+    )
     assert lines[-1].endswith("| not installed |")
 
 
@@ -77,7 +88,8 @@ def test_a_candidate_without_megatron_is_skipped_by_name(tmp_path):
 def test_dry_run_against_upstream_in_separate_processes(tmp_path):
     out = tmp_path / "rows.json"
     command = [sys.executable, str(TOOL), "--dry-run", "--python", str(UPSTREAM_PYTHONS[-1])]
-    command += ["--candidates", "upstream", "patched_inplace", "liger", "--json", str(out)]
+    command += ["--candidates", "upstream", "patched_inplace", "patched_inplace_recompute"]
+    command += ["liger", "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = {(r["layer"], r["candidate"]): r for r in json.loads(out.read_text())["rows"]}
@@ -88,5 +100,10 @@ def test_dry_run_against_upstream_in_separate_processes(tmp_path):
         # The same weights and inputs: the patched layer computes what upstream computes.
         assert in_place["out_sum"] == pytest.approx(upstream["out_sum"], rel=1e-4, abs=1e-4)
         assert in_place["dx_norm"] == pytest.approx(upstream["dx_norm"], rel=1e-4)
+    both = rows["dense", "patched_inplace_recompute"]
+    assert both["status"] == "ok" and both["in_place_backward"] and both["recompute_output"]
+    assert both["out_sum"] == pytest.approx(rows["dense", "upstream"]["out_sum"], rel=1e-4)
+    assert both["dx_norm"] == pytest.approx(rows["dense", "upstream"]["dx_norm"], rel=1e-4)
+    assert rows["experts", "patched_inplace_recompute"]["reason"].startswith("dense only")
     assert rows["dense", "liger"]["status"] == "skipped"
     assert rows["experts", "liger"]["reason"].startswith("dense only")
