@@ -498,6 +498,10 @@ def _bwd_loads(
 ROWS_ALIGNMENT = tl.constexpr(16)
 
 
+# Longer than the ~80 lines a function gets here, for a reason: the row loop carries up to four
+# accumulators (the bias gradient's two halves, the probability gradient), shaped by HAS_PROBS,
+# and a jitted helper cannot own part of a loop whose carried values it does not return. What
+# does not touch those accumulators lives in inlined helpers (_tile_ids, _glu_columns, the terms).
 # rows_per_program is not specialised: by default Triton compiles an integer argument that is a
 # multiple of 16 with a divisibility hint (and one equal to 1 as a constant), so the row split's
 # arithmetic alone would pick the machine code, and which code is faster depends on the kind.
