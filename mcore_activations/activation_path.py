@@ -50,6 +50,8 @@ def select_activation_path(
     spec: ActivationSpec,
     has_te_activation_builder: bool,
     owner: str,
+    *,
+    moe_act_on_graph: bool = False,
 ) -> str:
     """Chooses how a layer computes ``spec``, refusing what that path cannot compute.
 
@@ -61,6 +63,8 @@ def select_activation_path(
             ``use_te_activation_func`` without one (e.g. with the local layer spec) computes the
             same activation on the unfused path.
         owner: The layer's class name, used in error messages.
+        moe_act_on_graph: The layer runs a ``moe_act`` recompute on fc1's output itself
+            (``in_place.config_conflicts``).
 
     Returns:
         One of ``TE_MODULE_PATH``, ``FUSED_KERNEL_PATH`` and ``UNFUSED_PATH``.
@@ -84,7 +88,7 @@ def select_activation_path(
     if config.bias_activation_fusion:
         # Lowering now, not at the first forward, makes an unsupported config fail at build.
         lower_to_fused_kernel(spec, f"{owner}(bias_activation_fusion=True)")
-        in_place.check_layer_config(config, owner)
+        in_place.check_layer_config(config, owner, moe_act_on_graph=moe_act_on_graph)
         return FUSED_KERNEL_PATH
     return UNFUSED_PATH
 
@@ -281,6 +285,7 @@ def select_layer_activation(
     te_module_factory: Optional[Callable[[], Callable]] = None,
     fused_kernel_opt_in: bool = False,
     offload_input: bool = False,
+    recompute_output: Optional[bool] = None,
 ) -> LayerActivation:
     """The one path selector of ``MLP``, the routed experts and the shared experts.
 
@@ -298,14 +303,20 @@ def select_layer_activation(
             ``bias_activation_fusion`` (upstream's ``use_fused_weighted_squared_relu``).
         offload_input: The fused kernels tag their saved input for CPU offloading when
             ``config``'s offloading flags ask for it at the call (as upstream's ``MLP`` does).
+        recompute_output: The layer's output-recompute setting (``LayerActivation``); None
+            follows the process default.
 
     Raises:
         UnsupportedActivationError: The selected path cannot compute ``spec``.
     """
-    path = select_activation_path(config, spec, te_module_factory is not None, owner)
+    # The fork's layers recompute a 'moe_act' output from fc1's output itself (TEGroupedMLP,
+    # through output_recompute), never from upstream's detached checkpoint copy.
+    path = select_activation_path(
+        config, spec, te_module_factory is not None, owner, moe_act_on_graph=True
+    )
     if path == UNFUSED_PATH and fused_kernel_opt_in:
         lower_to_fused_kernel(spec, owner)
-        in_place.check_layer_config(config, owner)
+        in_place.check_layer_config(config, owner, moe_act_on_graph=True)
         path = FUSED_KERNEL_PATH
     func = te_module_factory() if path == TE_MODULE_PATH else config.activation_func
     return LayerActivation(
@@ -314,6 +325,7 @@ def select_layer_activation(
         func,
         fp8_input_store=bool(getattr(config, "activation_func_fp8_input_store", False)),
         offload_config=config if offload_input else None,
+        recompute_output=recompute_output,
     )
 
 

@@ -137,11 +137,17 @@ def resolve(value: Optional[bool]) -> bool:
 _OFFLOADED_MODULES = frozenset({"expert_fc1", "moe_act"})
 
 
-def config_conflicts(config) -> list[str]:
+def config_conflicts(config, *, moe_act_on_graph: bool = False) -> list[str]:
     """The settings of ``config`` under which an in-place backward is unsafe, as phrases.
 
     Reads the fields of the fork's ``TransformerConfig`` and of upstream's (0.19.2 and main);
     a field a config does not have counts as off.
+
+    Args:
+        config: The layer's config.
+        moe_act_on_graph: The layer recomputes its ``moe_act`` output from fc1's output itself
+            (the fork's ``TEGroupedMLP``, ``output_recompute``), not from upstream's detached
+            checkpoint copy, so that recompute is no conflict.
     """
     found = []
     if getattr(config, "cpu_offloading", False) and getattr(
@@ -158,7 +164,8 @@ def config_conflicts(config) -> list[str]:
             f"{sorted(offloaded)} (the saved fc1 output is offloaded and reloaded)"
         )
     recompute = set(getattr(config, "recompute_modules", None) or ())
-    if getattr(config, "recompute_granularity", None) == "selective" and "moe_act" in recompute:
+    selective = getattr(config, "recompute_granularity", None) == "selective"
+    if selective and "moe_act" in recompute and not moe_act_on_graph:
         found.append(
             "recompute_modules containing 'moe_act' (the recomputed activation's input is the "
             "checkpoint's detached copy of fc1's output, not a tensor of the graph)"
@@ -172,7 +179,7 @@ def config_conflicts(config) -> list[str]:
     return found
 
 
-def check_config(config, owner: str) -> None:
+def check_config(config, owner: str, *, moe_act_on_graph: bool = False) -> None:
     """Refuses, at construction, a layer whose config makes an in-place backward unsafe.
 
     Called only when the option is on for the layer's fused activation.
@@ -181,7 +188,7 @@ def check_config(config, owner: str) -> None:
         ValueError: ``config`` has a setting of :func:`config_conflicts`; the message names
             the layer, the settings, why and what to change.
     """
-    found = config_conflicts(config)
+    found = config_conflicts(config, moe_act_on_graph=moe_act_on_graph)
     if found:
         raise ValueError(
             f"{owner}: the in-place activation backward ({OPTION}=True or {ENV_VAR}=1) writes "
@@ -191,13 +198,13 @@ def check_config(config, owner: str) -> None:
         )
 
 
-def check_layer_config(config, owner: str) -> None:
+def check_layer_config(config, owner: str, *, moe_act_on_graph: bool = False) -> None:
     """:func:`check_config` for a layer being built, when the process default is on.
 
     The layers' construction-time check: with the option off nothing is refused.
     """
     if in_place_backward_enabled():
-        check_config(config, owner)
+        check_config(config, owner, moe_act_on_graph=moe_act_on_graph)
 
 
 # ------------------------------------------------------------------ runtime rules

@@ -298,6 +298,41 @@ def test_layers_free_fc2_input_and_give_the_same_gradients(
         assert torch.equal(a, b)
 
 
+MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
+def test_grouped_experts_honour_upstreams_moe_act_recompute(in_place, layer_builder):
+    """'moe_act' (upstream's selective recompute of the MoE activation) turns the option on for
+    the fork's TEGroupedMLP whatever the process default, and, recomputing from fc1's output
+    itself, passes the in-place backward's config check that upstream's checkpoint fails."""
+    from mcore_activations.fusions import in_place as in_place_mod
+
+    torch.manual_seed(3)
+    with use_in_place_backward(in_place):
+        plain = layer_builder("grouped")
+        recomputing = layer_builder("grouped", **MOE_ACT)
+    assert recomputing.activation_recompute and not plain.activation_recompute
+    recomputing.load_state_dict(plain.state_dict())
+    hidden, probs = torch.randn(6, 16) * 3, torch.rand(6)
+    freed = []
+    discard = output_recompute.discard_until_backward
+
+    def spy(output, consumer_output, recompute):
+        freed.append(discard(output, consumer_output, recompute))
+        return freed[-1]
+
+    with use_in_place_backward(in_place), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(output_recompute, "discard_until_backward", spy)
+        got = [_layer_step(layer, "grouped", hidden, probs) for layer in (plain, recomputing)]
+    assert freed == [True]
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    # Upstream's own TEGroupedMLP (patched) recomputes on a detached copy: still a conflict.
+    assert in_place_mod.config_conflicts(recomputing.config)
+    assert not in_place_mod.config_conflicts(recomputing.config, moe_act_on_graph=True)
+
+
 # --------------------------------------------------------------------------- the option
 @pytest.mark.parametrize("value", ["1", "true", "YES", " on "])
 def test_environment_on(value):

@@ -333,12 +333,20 @@ class TEGroupedMLP(MegatronModule):
         self.activation_spec = ActivationSpec.from_config(
             config, glu_interleave_size=self.glu_interleave_size
         )
+        # Upstream's selective recompute of the MoE activation: on the fused path the layer
+        # frees fc2's input after the forward and the kernel writes it again before fc2's
+        # backward (output_recompute), from fc1's output itself, not a detached copy, so the
+        # in-place backward may run with it.
+        self.activation_recompute = config.recompute_granularity == "selective" and "moe_act" in (
+            config.recompute_modules or ()
+        )
         self.layer_activation: LayerActivation = select_layer_activation(
             config,
             self.activation_spec,
             type(self).__name__,
             te_module_factory=te_activation_factory(submodules, config),
             fused_kernel_opt_in=self._uses_fused_weighted_squared_relu(),
+            recompute_output=True if self.activation_recompute else None,
         )
         self.activation_path = self.layer_activation.path
         self.activation_func = self.layer_activation.func
@@ -357,6 +365,12 @@ class TEGroupedMLP(MegatronModule):
             pg_collection=pg_collection,
             name=_child_name(name, "linear_fc2"),
         )
+        if self.activation_recompute and (config.fp8 or getattr(config, "fp4", None)):
+            # A quantizing fc2 would save its own FP8 copy and keep it: freeing the output
+            # saves memory only when fc2 saves the original.
+            from megatron.core.extensions.te_linears import set_save_original_input
+
+            set_save_original_input(self.linear_fc2)
 
         self._fused_ops: Optional[tuple] = None  # a 1-tuple: never a submodule
         self.use_fused_impl = bool(config.use_transformer_engine_op_fuser)
