@@ -19,8 +19,9 @@ tests_rc=$?
 tail -5 "$OUT/gpu_tests.log"
 # The compile contracts also run unmarked on the CPU tier; here they meet the GPU machine's torch,
 # usually another release than CI's, whose Dynamo traces the entry points differently.
-python3 -m pytest tests/unit_tests/fusions/test_entry_point_contracts.py \
-  tests/unit_tests/fusions/test_entry_point_properties.py tests/unit_tests/fusions/test_compile_safety.py \
+python3 -m pytest tests/unit_tests/mcore_activations/fusions/test_entry_point_contracts.py \
+  tests/unit_tests/mcore_activations/fusions/test_entry_point_properties.py \
+  tests/unit_tests/mcore_activations/fusions/test_compile_safety.py \
   -n "${GPU_TEST_WORKERS:-8}" -p no:cacheprovider -rfs > "$OUT/compile_contracts.log" 2>&1 || tests_rc=1
 tail -3 "$OUT/compile_contracts.log"
 python3 -m megatron.core.transformer.activation_audit --json "$OUT/audit.json" > "$OUT/audit.txt" 2>&1

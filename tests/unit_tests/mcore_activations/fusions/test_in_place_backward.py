@@ -38,7 +38,7 @@ from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_r
 from tests.unit_tests.activation_catalog import SPECS, spec_of
 from tests.unit_tests.tolerances import assert_close_to_reference
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -16,8 +16,8 @@ from mcore_activations.fusions import triton_plans as tp
 from mcore_activations.fusions.activation_kernels import KernelVariant, params_tensor, spec_params
 from mcore_activations.fusions.triton_plans import LaunchOptions
 from tests.unit_tests.activation_catalog import SPECS
-from tests.unit_tests.fusions.test_fused_activation import _inputs, _leaf
-from tests.unit_tests.fusions.triton_cases import BOTH
+from tests.unit_tests.mcore_activations.fusions.test_fused_activation import _inputs, _leaf
+from tests.unit_tests.mcore_activations.fusions.triton_cases import BOTH
 from tests.unit_tests.tolerances import assert_close_to_reference
 
 pytest.importorskip("triton")

@@ -1,7 +1,8 @@
 """Stress every compiled entry point that takes a runtime scalar, in one fresh process.
 
-Usage: ``python -m tests.unit_tests.fusions.compile_stress [--device D] [--calls N]``; prints a
-JSON summary on the last line. Run by test_compile_safety.py with a fresh Inductor cache.
+Usage: ``python -m tests.unit_tests.mcore_activations.fusions.compile_stress [--device D]
+[--calls N]``; prints a JSON summary on the last line. Run by test_compile_safety.py with a fresh
+Inductor cache.
 
 Phases (the order matters, see shared research notes: no-grad calls early can hide the bug):
 1. training calls (grad on) on one shape, the scalar values changing every call;

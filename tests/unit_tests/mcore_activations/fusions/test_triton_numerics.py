@@ -20,8 +20,13 @@ from mcore_activations.fusions.activation_kernels import KernelVariant, backward
 from mcore_activations.fusions.activation_ops import use_kernel_backend
 from megatron.core.fusions.fused_activation import fused_activation
 from tests.unit_tests.activation_catalog import SPECS, spec_of
-from tests.unit_tests.fusions.test_fused_activation import check_against_reference
-from tests.unit_tests.fusions.triton_cases import BOTH, DEVICE, DTYPES, needs_triton_here
+from tests.unit_tests.mcore_activations.fusions.test_fused_activation import check_against_reference
+from tests.unit_tests.mcore_activations.fusions.triton_cases import (
+    BOTH,
+    DEVICE,
+    DTYPES,
+    needs_triton_here,
+)
 from tests.unit_tests.tolerances import assert_close_to_reference
 
 pytest.importorskip("triton")

@@ -39,7 +39,7 @@ from megatron.core.transformer.activation_spec import (
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
-from tests.unit_tests.extensions.test_te_lowering import CASES
+from tests.unit_tests.mcore_activations.test_te_lowering import CASES
 from tests.unit_tests.tolerances import max_rel_error, tolerance
 
 pytestmark = [pytest.mark.gpu, pytest.mark.te]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 OURS = ["clamped_swiglu", "bias_swiglu_impl", "weighted_bias_swiglu_impl"]
 DIFF_KEYS = ("forward_diff", "autograd_diff", "explicit_back_diff")
 STALE = 1e-3  # staleness shows as errors of 0.1-10; compiled-vs-eager rounding is < 1e-6
@@ -122,7 +122,7 @@ def scenario(name, target, dirs, *values, device="cpu", cache="cache"):
     """Runs one compile_scenarios scenario in a fresh process; returns its per-call records."""
     extra = ["--values", *map(str, values)] if values else []
     result = run_module(
-        "tests.unit_tests.fusions.compile_scenarios",
+        "tests.unit_tests.mcore_activations.fusions.compile_scenarios",
         name,
         target,
         *extra,
@@ -214,7 +214,7 @@ def test_stress_every_compiled_entry_point(device, dirs):
     # 60 calls per phase: every entry point several times with changing values, and enough
     # mixed structures for the replay phase; more calls only add compile time.
     summary = run_module(
-        "tests.unit_tests.fusions.compile_stress",
+        "tests.unit_tests.mcore_activations.fusions.compile_stress",
         "--calls",
         "60",
         cache_dir=dirs.root / "cache",

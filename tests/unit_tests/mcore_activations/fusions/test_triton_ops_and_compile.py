@@ -15,7 +15,7 @@ from mcore_activations.fusions.activation_kernels import KernelVariant
 from mcore_activations.fusions.activation_ops import kernel_backend, use_kernel_backend
 from megatron.core.fusions.fused_activation import fused_activation
 from tests.unit_tests.activation_catalog import SPECS, spec_of
-from tests.unit_tests.fusions.triton_cases import BOTH
+from tests.unit_tests.mcore_activations.fusions.triton_cases import BOTH
 from tests.unit_tests.tolerances import assert_close_to_reference
 
 pytest.importorskip("triton")

@@ -29,7 +29,7 @@ from mcore_activations.fusions.in_place import use_in_place_backward
 from mcore_activations.fusions.output_recompute import use_recompute_output
 from tests.unit_tests.activation_catalog import SPECS, spec_of
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 BACKENDS = [

@@ -1,7 +1,7 @@
 """Stale-scalar scenarios, run one per fresh process by test_compile_safety.py.
 
-Usage: ``python -m tests.unit_tests.fusions.compile_scenarios SCENARIO TARGET [--device D]
-[--values ...]``; prints one JSON object on the last line of stdout.
+Usage: ``python -m tests.unit_tests.mcore_activations.fusions.compile_scenarios SCENARIO TARGET
+[--device D] [--values ...]``; prints one JSON object on the last line of stdout.
 
 Whether torch.compile serves stale code depends on what the process compiled before and on the
 Inductor on-disk cache, so the caller starts every scenario in a new process with its own
