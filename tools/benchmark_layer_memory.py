@@ -148,8 +148,11 @@ def _build(candidate: str, layer: str, config, device: str):
         if candidate == "te_fused_mlp":
             from megatron.core.extensions import transformer_engine as te_ext
 
+            # Upstream's TEFusedMLP takes fc1 only as a LayerNormLinear: its row carries one
+            # layer norm more than the others.
             te_submodules = MLPSubmodules(
-                linear_fc1=te_ext.TEColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+                linear_fc1=te_ext.TELayerNormColumnParallelLinear,
+                linear_fc2=te_ext.TERowParallelLinear,
             )
             return te_ext.TEFusedMLP(config, te_submodules).to(device)
         return MLP(config, local).to(device)

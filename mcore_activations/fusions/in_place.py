@@ -252,7 +252,10 @@ def check_forward(x: torch.Tensor, cpu_offload_input: bool) -> None:
             f"checkpointing (megatron's tensor_parallel.checkpoint), or: {_TURN_OFF}."
         )
     root = x._base if x._base is not None else x
-    if root.grad_fn is None:
+    # A leaf, or a view of a leaf that wants a gradient (a parameter, a user's tensor). A view
+    # made inside a custom autograd Function (Transformer Engine's linears return one) has the
+    # Function's node and a base that wants no gradient: fc1's output buffer, dead after this.
+    if x.grad_fn is None or (root.grad_fn is None and root.requires_grad):
         raise InPlaceBackwardError(
             f"{OPTION}=True on a leaf tensor (shape {tuple(root.shape)}): its gradient would be "
             "written over its own data, e.g. a parameter, a tensor of yours, or the detached "

@@ -160,14 +160,19 @@ def discard_until_backward(
     nbytes = storage.nbytes()
     shape, dtype, device = output.shape, output.dtype, output.device
     storage.resize_(0)
+    # The hook holds the storage only until it refills it: after that the consumer's saved
+    # tensor alone keeps it, so it is freed when the consumer's backward releases that tensor
+    # (holding it longer would keep an output-sized buffer through the rest of the backward).
+    pending = [storage]
 
     def refill(_grad_outputs):
-        if storage.nbytes() == nbytes:
+        if not pending:
             return None  # a second backward through a retained graph: still filled
-        storage.resize_(nbytes)
+        target_storage = pending.pop()
+        target_storage.resize_(nbytes)
         # A tensor of its own on the same storage: the consumer's saved reference sees the
         # values, and its version counter (autograd's check) is not bumped.
-        target = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
+        target = torch.empty(0, dtype=dtype, device=device).set_(target_storage, 0, shape)
         with torch.no_grad():
             recompute(target)
         return None

@@ -103,7 +103,9 @@ def _te_mlp_case(path_name):
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            module = path.build(audit.BUILT_IN["DeepSeek-V4 SwiGLU(clamp=7)"], torch.device("cuda"))
+            module = path.build(
+                audit.BUILT_IN["DeepSeek-V4 SwiGLU(clamp=7)"], torch.device("cuda"), torch.float32
+            )
         module = module.to(torch.bfloat16)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(audit.TOKENS, audit.HIDDEN, generator=gen).cuda().bfloat16()

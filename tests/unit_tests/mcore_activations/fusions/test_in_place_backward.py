@@ -355,6 +355,32 @@ def test_leaf_input_is_refused(shape):
         swiglu_mod.bias_swiglu_impl(leaf, None, in_place_backward=True)
 
 
+class _LinearReturningAView(torch.autograd.Function):
+    """Like Transformer Engine's linears: the output is a view of a buffer the Function made."""
+
+    @staticmethod
+    def forward(ctx, x):
+        buffer = torch.empty(x.numel(), dtype=x.dtype)
+        buffer.copy_(x.reshape(-1) * 2)
+        return buffer.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_view_made_inside_a_custom_function_is_written_over():
+    x, _, _, grad = _inputs(SWIGLU_CLAMP, torch.float32, False, False, 4, 8, "cpu")
+    got = []
+    for enabled in (False, True):
+        leaf = x.clone().requires_grad_()
+        fc1_out = _LinearReturningAView.apply(leaf)
+        assert fc1_out._base is not None and fc1_out._base.grad_fn is None
+        fused_activation(fc1_out, SWIGLU_CLAMP, in_place_backward=enabled).backward(grad)
+        got.append(leaf.grad)
+    assert torch.equal(*got)
+
+
 def test_moe_act_style_recompute_is_refused():
     """Upstream's 'moe_act' recompute runs the activation on the checkpoint's detached copy of
     fc1's output (CheckpointWithoutOutput): a leaf, refused when the backward recomputes it."""

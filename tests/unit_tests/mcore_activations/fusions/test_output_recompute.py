@@ -387,12 +387,14 @@ def test_process_default_setters():
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_clamp", "quick_geglu_gpt_oss"])
 def test_freed_output_lowers_the_memory_held_and_not_the_peak(name, in_place):
     """Between the passes one output less is held; the backward's peak does not grow (the
-    output is recomputed into its own storage, not into a second buffer)."""
+    output is recomputed into its own storage, and that storage is released with fc2's saved
+    tensors, as without the option)."""
     spec = SPECS[name]
     rows, ffn = 4096, 2048
     x, bias, probs, weight, grad = _inputs(spec, torch.bfloat16, True, True, rows, ffn, "cuda")
     held, peak = {}, {}
-    for enabled in (False, True):
+    # The first pass is a warm-up: cuBLAS's workspace and the kernels' first launches allocate.
+    for enabled in (False, False, True):
         activation = _fused(spec, recompute_output=enabled, in_place_backward=in_place)
         leaf = x.clone().requires_grad_()
         w = weight.clone().requires_grad_()
@@ -408,5 +410,6 @@ def test_freed_output_lowers_the_memory_held_and_not_the_peak(name, in_place):
         out.backward(grad)
         peak[enabled] = torch.cuda.max_memory_allocated() - before
         del out
-    assert held[False] - held[True] == rows * ffn * 2
+    # One [rows, ffn] bf16 output less, to the allocator's rounding.
+    assert abs(held[False] - held[True] - rows * ffn * 2) <= 4096, held
     assert peak[True] <= peak[False], peak
