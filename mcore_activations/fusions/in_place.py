@@ -21,13 +21,12 @@ and ``fused_activation`` applies the rules around its autograd Function.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 from typing import Optional
 
 import torch
 
-from mcore_activations.patch_env import OFF, ON
+from mcore_activations.patch_env import Switch
 
 ENV_VAR = "MCORE_ACTIVATIONS_IN_PLACE_BACKWARD"
 OPTION = "in_place_backward"
@@ -43,6 +42,15 @@ class InPlaceBackwardError(RuntimeError):
     """Writing the input gradient over the saved activation input is unsafe for this call."""
 
 
+_SWITCH = Switch(
+    ENV_VAR,
+    OPTION,
+    "set_in_place_backward",
+    "the fused activations' backward writes the input gradient over the saved fc1 output",
+    "a new buffer, as upstream",
+)
+
+
 def in_place_backward_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     """What ``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD`` asks for; unset means off.
 
@@ -55,20 +63,7 @@ def in_place_backward_from_env(environ: Optional[Mapping[str, str]] = None) -> b
         ValueError: Any value other than 1 / true / yes / on, 0 / false / no / off or empty: a
             typo must not decide silently whether the backward overwrites its input.
     """
-    raw = (os.environ if environ is None else environ).get(ENV_VAR)
-    value = "" if raw is None else raw.strip().lower()
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
-    raise ValueError(
-        f"{ENV_VAR}={raw!r} is not understood: set it to one of {', '.join(ON)} (the fused "
-        "activations' backward writes the input gradient over the saved fc1 output), or one of "
-        f"{', '.join(v for v in OFF if v)} or empty (a new buffer, as upstream)."
-    )
-
-
-_default: bool = in_place_backward_from_env()
+    return _SWITCH.from_env(environ)
 
 
 def check_option(value, name: str = OPTION) -> Optional[bool]:
@@ -77,18 +72,12 @@ def check_option(value, name: str = OPTION) -> Optional[bool]:
     Raises:
         TypeError: anything else (a string such as ``"0"`` would otherwise be truthy).
     """
-    if value is None or isinstance(value, bool):
-        return value
-    raise TypeError(
-        f"{name} must be True, False or None (None: the process default, "
-        f"{ENV_VAR} unless set_in_place_backward changed it); got {value!r} "
-        f"({type(value).__name__})."
-    )
+    return _SWITCH.check(value, name)
 
 
 def in_place_backward_enabled() -> bool:
     """The process default of the option (see the module docstring)."""
-    return _default
+    return _SWITCH.enabled()
 
 
 def set_in_place_backward(enabled: bool) -> bool:
@@ -97,12 +86,7 @@ def set_in_place_backward(enabled: bool) -> bool:
     Raises:
         TypeError: ``enabled`` is not a bool.
     """
-    global _default
-    if not isinstance(enabled, bool):
-        check_option(enabled)  # raises for anything but None
-        raise TypeError(f"set_in_place_backward takes True or False, got {enabled!r}.")
-    previous, _default = _default, enabled
-    return previous
+    return _SWITCH.set(enabled)
 
 
 def configure_in_place_backward(value: Optional[bool]) -> None:
@@ -130,7 +114,7 @@ def use_in_place_backward(enabled: bool) -> Iterator[None]:
 
 def resolve(value: Optional[bool]) -> bool:
     """The option for one call: ``value``, or the process default when it is None."""
-    return _default if check_option(value) is None else value
+    return _SWITCH.resolve(value)
 
 
 # ------------------------------------------------------------------ configurations refused

@@ -31,16 +31,25 @@ would destroy.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Optional
 
 import torch
 
-from mcore_activations.patch_env import OFF, ON
+from mcore_activations.patch_env import Switch
 
 ENV_VAR = "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT"
 OPTION = "recompute_output"
+
+
+_SWITCH = Switch(
+    ENV_VAR,
+    OPTION,
+    "set_recompute_output",
+    "layers free the activation's output after fc2's forward and recompute it before fc2's "
+    "backward",
+    "keep it, as upstream",
+)
 
 
 def recompute_output_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -52,20 +61,7 @@ def recompute_output_from_env(environ: Optional[Mapping[str, str]] = None) -> bo
     Raises:
         ValueError: Any value other than 1 / true / yes / on, 0 / false / no / off or empty.
     """
-    raw = (os.environ if environ is None else environ).get(ENV_VAR)
-    value = "" if raw is None else raw.strip().lower()
-    if value in ON:
-        return True
-    if value in OFF:
-        return False
-    raise ValueError(
-        f"{ENV_VAR}={raw!r} is not understood: use 1 / true / yes / on to recompute the "
-        "activation's output in the backward, or 0 / false / no / off (or leave it unset) to "
-        "keep it."
-    )
-
-
-_default = recompute_output_from_env()
+    return _SWITCH.from_env(environ)
 
 
 def check_option(value) -> Optional[bool]:
@@ -74,14 +70,12 @@ def check_option(value) -> Optional[bool]:
     Raises:
         TypeError: any other value, naming the option.
     """
-    if value is None or isinstance(value, bool):
-        return value
-    raise TypeError(f"{OPTION} must be True, False or None (the process default), got {value!r}.")
+    return _SWITCH.check(value)
 
 
 def recompute_output_enabled() -> bool:
     """The process default: whether layers that do not set the option recompute their output."""
-    return _default
+    return _SWITCH.enabled()
 
 
 def set_recompute_output(enabled: bool) -> bool:
@@ -90,11 +84,7 @@ def set_recompute_output(enabled: bool) -> bool:
     Raises:
         TypeError: ``enabled`` is not a bool.
     """
-    global _default
-    if not isinstance(enabled, bool):
-        raise TypeError(f"set_recompute_output expects True or False, got {enabled!r}.")
-    previous, _default = _default, enabled
-    return previous
+    return _SWITCH.set(enabled)
 
 
 @contextlib.contextmanager
@@ -109,7 +99,7 @@ def use_recompute_output(enabled: bool) -> Iterator[None]:
 
 def resolve(value: Optional[bool]) -> bool:
     """The option for one call: ``value``, or the process default when it is None."""
-    return _default if check_option(value) is None else value
+    return _SWITCH.resolve(value)
 
 
 def _fills_its_storage(t: torch.Tensor) -> bool:

@@ -33,3 +33,12 @@ def spec_of(name: str, glu_interleave_size=None) -> ActivationSpec:
 
 SPECS = {name: spec_of(name) for name in CONFIGS}
 GATED = [name for name, spec in SPECS.items() if spec.gated]
+
+
+def layout_cases() -> list[tuple[str, object]]:
+    """``(name, glu_interleave_size)`` for every entry: each GLU also in a 4-column interleave."""
+    return [
+        (name, interleave)
+        for name in sorted(SPECS)
+        for interleave in ((None, 4) if SPECS[name].gated else (None,))
+    ]

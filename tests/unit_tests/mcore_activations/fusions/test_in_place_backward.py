@@ -35,7 +35,7 @@ from megatron.core.fusions import fused_bias_swiglu as swiglu_mod
 from megatron.core.fusions.fused_activation import fused_activation
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.core.fusions.fused_weighted_squared_relu import weighted_squared_relu_impl
-from tests.unit_tests.activation_catalog import SPECS, spec_of
+from tests.unit_tests.activation_catalog import SPECS, layout_cases, spec_of
 from tests.unit_tests.tolerances import assert_close_to_reference
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -55,12 +55,6 @@ BACKENDS = [
     ),
     pytest.param("triton", "cuda", id="triton-cuda", marks=pytest.mark.gpu),
 ]
-
-
-def _cases():
-    for name in sorted(SPECS):
-        for interleave in (None, 4) if SPECS[name].gated else (None,):
-            yield name, interleave
 
 
 def _inputs(spec, dtype, has_bias, has_probs, rows, ffn, device, seed=0):
@@ -127,7 +121,7 @@ def check_in_place(spec, dtype, has_bias, has_probs, backend, device, rows=7, ff
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("has_probs", [False, True], ids=["", "probs"])
 @pytest.mark.parametrize("has_bias", [False, True], ids=["", "bias"])
-@pytest.mark.parametrize("name,interleave", list(_cases()))
+@pytest.mark.parametrize("name,interleave", layout_cases())
 def test_in_place_equals_out_of_place_bitwise(
     name, interleave, has_bias, has_probs, backend, device
 ):

@@ -27,7 +27,7 @@ from mcore_activations.fusions import output_recompute
 from mcore_activations.fusions.activation_ops import use_kernel_backend
 from mcore_activations.fusions.in_place import use_in_place_backward
 from mcore_activations.fusions.output_recompute import use_recompute_output
-from tests.unit_tests.activation_catalog import SPECS, spec_of
+from tests.unit_tests.activation_catalog import SPECS, layout_cases, spec_of
 
 ROOT = Path(__file__).resolve().parents[4]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -36,12 +36,6 @@ BACKENDS = [
     pytest.param("eager", "cpu", id="eager"),
     pytest.param("triton", "cuda", id="triton-cuda", marks=pytest.mark.gpu),
 ]
-
-
-def _cases():
-    for name in sorted(SPECS):
-        for interleave in (None, 4) if SPECS[name].gated else (None,):
-            yield name, interleave
 
 
 def _inputs(spec, dtype, has_bias, has_probs, rows, ffn, device, seed=0):
@@ -92,7 +86,7 @@ def check_recompute(spec, dtype, has_bias, has_probs, backend, device, rows=7, f
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("has_probs", [False, True], ids=["", "probs"])
 @pytest.mark.parametrize("has_bias", [False, True], ids=["", "bias"])
-@pytest.mark.parametrize("name,interleave", list(_cases()))
+@pytest.mark.parametrize("name,interleave", layout_cases())
 def test_recomputed_output_gives_the_same_gradients_bitwise(
     name, interleave, has_bias, has_probs, backend, device
 ):
@@ -378,7 +372,7 @@ def test_process_default_setters():
         assert output_recompute.resolve(None) is True
         assert output_recompute.resolve(False) is False
     assert output_recompute.recompute_output_enabled() is False
-    with pytest.raises(TypeError, match="set_recompute_output expects True or False"):
+    with pytest.raises(TypeError, match="set_recompute_output takes True or False"):
         output_recompute.set_recompute_output(None)
 
 

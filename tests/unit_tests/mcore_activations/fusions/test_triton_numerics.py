@@ -19,7 +19,7 @@ from mcore_activations.fusions import activation_ops
 from mcore_activations.fusions.activation_kernels import KernelVariant, backward_math, forward_math
 from mcore_activations.fusions.activation_ops import use_kernel_backend
 from megatron.core.fusions.fused_activation import fused_activation
-from tests.unit_tests.activation_catalog import SPECS, spec_of
+from tests.unit_tests.activation_catalog import SPECS, layout_cases, spec_of
 from tests.unit_tests.mcore_activations.fusions.test_fused_activation import check_against_reference
 from tests.unit_tests.mcore_activations.fusions.triton_cases import (
     BOTH,
@@ -32,16 +32,10 @@ from tests.unit_tests.tolerances import assert_close_to_reference
 pytest.importorskip("triton")
 
 
-def _cases():
-    for name in sorted(SPECS):
-        for interleave in (None, 4) if SPECS[name].gated else (None,):
-            yield name, interleave
-
-
 @needs_triton_here
 @pytest.mark.parametrize("has_probs", [False, True], ids=["", "probs"])
 @pytest.mark.parametrize("has_bias", [False, True], ids=["", "bias"])
-@pytest.mark.parametrize("name,interleave", list(_cases()))
+@pytest.mark.parametrize("name,interleave", layout_cases())
 def test_triton_kernels_match_reference(name, interleave, has_bias, has_probs):
     # Odd row count and an odd F (24 with interleave 4: whole blocks); inputs at std 3 hit every
     # clamp. The dtype rotates over the cases (every dtype is covered by the next test).
