@@ -23,7 +23,9 @@ The option is off by default, as upstream behaves. Where it comes from, first ma
 
 The output is kept (nothing is freed, nothing recomputed) where freeing it would save nothing or
 could not be undone in time: no gradient flows to fc2's output; a CUDA graph is being captured or
-``torch.compile`` is tracing (a replay would neither free nor refill); the output is not
+``torch.compile`` is tracing (a replay would neither free nor refill); saved-tensor hooks are
+active (activation offloading, ``torch.utils.checkpoint(use_reentrant=False)``: the hooks own what
+fc2 saves); the output is not
 contiguous or shares its storage with other values (a slice of a larger buffer), which freeing
 would destroy.
 """
@@ -145,6 +147,11 @@ def discard_until_backward(
     if not _fills_its_storage(output):
         return False
     if output.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Saved-tensor hooks own what the consumer saved (offloading packs a copy; a
+        # non-reentrant checkpoint recomputes the forward, output and all, on unpack, and this
+        # call would free the recomputed output too): nothing to gain, and a refill could miss.
         return False
     storage = output.untyped_storage()
     nbytes = storage.nbytes()

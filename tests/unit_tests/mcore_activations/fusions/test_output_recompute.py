@@ -155,6 +155,35 @@ def test_output_is_kept_where_freeing_cannot_help(case):
     assert y.untyped_storage().nbytes() == size
 
 
+@pytest.mark.parametrize("hooks", ["non-reentrant checkpoint", "saved-tensor hooks"])
+def test_saved_tensor_hooks_keep_the_output_and_the_gradients(hooks):
+    spec = SPECS["swiglu_clamp"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
+    freed = []
+
+    def block(fc1_out, w, activation):
+        y = activation(fc1_out, bias, probs)
+        out = y @ w
+        freed.append(activation.release_output(y, out, fc1_out, bias, probs))
+        return out
+
+    got = []
+    for enabled in (False, True):
+        activation = _fused(spec, recompute_output=enabled)
+        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        if hooks == "non-reentrant checkpoint":
+            out = torch.utils.checkpoint.checkpoint(
+                block, leaf * 1, w, activation, use_reentrant=False
+            )
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+                out = block(leaf * 1, w, activation)
+        out.backward(grad)
+        got.append((leaf.grad, w.grad))
+    assert not any(freed)
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
 @pytest.mark.parametrize("path", ["unfused", "fp8 input store"])
 def test_only_the_fused_path_frees_its_output(path):
     spec = SPECS["swiglu"]
