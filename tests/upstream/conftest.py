@@ -21,6 +21,26 @@ MAIN_TREE = Path(sys.prefix) / "upstream-main"
 TARGETS = ("release", "main")
 
 
+# The head of a script that builds upstream's MLP from its local linears in a world of one rank
+# (gloo, CPU): the imports and the parallel state every such script needs.
+LOCAL_MLP_PRELUDE = """
+import json, os
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mcore_activations import megatron_patch as mp
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+parallel_state.initialize_model_parallel(1, 1)
+tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+"""
+
+
 def main_tree() -> Path:
     """Upstream main's unpacked tree; skips the test where no archive was there to unpack."""
     if not (MAIN_TREE / "megatron" / "core").is_dir():

@@ -8,24 +8,12 @@ or None is a TypeError, and the unpatch restores the default.
 
 from __future__ import annotations
 
-from conftest import run_json
+from conftest import LOCAL_MLP_PRELUDE, run_json
 
-SCRIPT = """
-import json, os
-import torch
-import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from mcore_activations import megatron_patch as mp
+SCRIPT = (
+    LOCAL_MLP_PRELUDE
+    + """
 from mcore_activations.fusions import output_recompute
-
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
-torch.distributed.init_process_group("gloo", world_size=1, rank=0)
-parallel_state.initialize_model_parallel(1, 1)
-tensor_parallel.model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
 def build():
@@ -76,6 +64,7 @@ mp.unpatch_megatron_core()
 result["after_unpatch"] = output_recompute.recompute_output_enabled()
 print(json.dumps(result))
 """
+)
 
 
 def test_patch_keyword_frees_fc2_input_of_upstreams_mlp(target):
