@@ -20,6 +20,7 @@ All three compute what :meth:`ActivationSpec.reference` defines.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Optional
 
@@ -32,6 +33,7 @@ from mcore_activations.activation_spec import (
     unfused_activation,
 )
 from mcore_activations.fusions import in_place, output_recompute
+from mcore_activations.fusions.activation_ops import kernel_backend, use_kernel_backend
 from mcore_activations.fusions.fused_activation import (
     fused_activation_into,
     fused_activation_with_plan,
@@ -117,9 +119,9 @@ class LayerActivation:
             input; None: never tagged.
         in_place_backward: The fused kernels' backward writes the input gradient over fc1's
             output (True / False); None: the process default at each call.
-        recompute_output: :meth:`release_output` frees the output once fc2 has run and
-            recomputes it before fc2's backward (True / False); None: the process default at
-            each call (``mcore_activations.fusions.output_recompute``).
+        recompute_output: :meth:`fc2_saves_recipe` has fc2 save a recipe of the output
+            instead of the output (True / False); None: the process default at each call
+            (``mcore_activations.fusions.output_recompute``).
 
     Raises:
         TypeError: ``in_place_backward`` or ``recompute_output`` is not True, False or None.
@@ -233,45 +235,50 @@ class LayerActivation:
             return (out * probs).to(out.dtype) if probs is not None else out
         return unfused_activation(x, self.spec, func, probs=probs)
 
-    def release_output(
+    def recomputes_fused_output(self) -> bool:
+        """Whether :meth:`fc2_saves_recipe` can serve this activation: the fused path, saving
+        fc1's output as it is (no FP8 copy, no CPU offloading)."""
+        return self._plan is not None and not self.fp8_input_store and not self.offload_input()
+
+    def fc2_saves_recipe(
         self,
         output: torch.Tensor,
-        fc2_output: torch.Tensor,
         x: torch.Tensor,
         bias: Optional[torch.Tensor] = None,
         probs: Optional[torch.Tensor] = None,
-    ) -> bool:
-        """With the output-recompute option on, frees ``output`` until fc2's backward needs it.
+    ):
+        """A context for fc2's forward: with the output-recompute option, fc2 saves a recipe.
 
-        Call it after fc2's forward, with the arguments the activation was called with: the
-        output is computed from them again, by the same kernel, into its own storage, just before
-        fc2's backward
-        (``output_recompute.discard_until_backward``).
+        Wrap fc2's forward in it, with the arguments the activation was called with: fc2 then
+        keeps, instead of ``output``, a note that its backward turns into ``output`` again,
+        computed by the same kernel from ``x``, ``bias`` and ``probs``
+        (``output_recompute.recompute_when_saved``), and ``output`` is freed when the layer's
+        forward drops it.
 
-        Only the fused-kernel path frees anything, and there only when the saved input is fc1's
-        output itself: that is all its backward keeps, so the recomputation costs no memory.
-        The unfused and TE-module graphs save other tensors (the biased input, halves, FP8 or
-        offloaded copies), and keeping ``x`` alive for a recomputation would cost more than the
-        output saves.
+        Only the fused-kernel path does so, and there only when the saved input is fc1's output
+        itself: that is all its backward keeps, so the recipe keeps nothing alive that was not
+        kept anyway. The unfused and TE-module graphs save other tensors (the biased input,
+        halves, FP8 or offloaded copies), and keeping ``x`` alive for a recomputation would cost
+        more than the output saves.
 
         Args:
             output: What :meth:`__call__` returned for ``x``, ``bias`` and ``probs``.
-            fc2_output: fc2's output (the tensor whose gradient reaches fc2's backward).
             x: fc1's output, as passed to :meth:`__call__`.
             bias: fc1's bias, as passed to :meth:`__call__`.
             probs: The per-row weights, as passed to :meth:`__call__`.
 
         Returns:
-            Whether the output was freed.
+            A context manager (a no-op one when the option is off or cannot help).
         """
-        if not output_recompute.resolve(self.recompute_output):
-            return False
-        if self._plan is None or self.fp8_input_store or self.offload_input():
-            return False
-        plan = self._plan
-        return output_recompute.discard_until_backward(
-            output, fc2_output, lambda target: fused_activation_into(plan, target, x, bias, probs)
-        )
+        if not (output_recompute.resolve(self.recompute_output) and self.recomputes_fused_output()):
+            return contextlib.nullcontext()
+        plan, backend = self._plan, kernel_backend(x.device)
+
+        def recompute(target: torch.Tensor) -> None:
+            with use_kernel_backend(backend):  # the forward's backend: the same bits
+                fused_activation_into(plan, target, x, bias, probs)
+
+        return output_recompute.recompute_when_saved(output, recompute, (x, bias, probs))
 
     def __repr__(self) -> str:
         return f"LayerActivation({self.spec.name}, path={self.path!r})"

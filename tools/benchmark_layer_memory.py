@@ -19,8 +19,8 @@ patch, reaches the next):
 - ``patched_inplace``: patched, with ``MCORE_ACTIVATIONS_IN_PLACE_BACKWARD=1`` (the activation's
   backward writes its input gradient over fc1's output);
 - ``patched_recompute`` / ``patched_inplace_recompute``: patched, with
-  ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT=1`` (fc2's input freed after the forward and recomputed
-  before fc2's backward), without and with the in-place backward; dense only (upstream's
+  ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT=1`` (fc2 saves a recipe of its input, recomputed in
+  fc2's backward), without and with the in-place backward; dense only (upstream's
   ``TEGroupedMLP`` keeps its own forward under the patch);
 - ``te_fused_mlp``: upstream's ``TEFusedMLP`` (Transformer Engine's op fuser), dense only, where TE
   imports;

@@ -96,8 +96,9 @@ def _kernel_args(spec, plan, x, bias, probs):
 def fused_activation_into(plan, out, x, bias=None, probs=None) -> torch.Tensor:
     """Writes the forward of ``plan.spec`` on ``x`` into ``out``, without autograd.
 
-    For the output recompute, which refills the storage of an output freed after the forward:
-    the same kernel and the same bits as the forward that made it (the inputs were checked then).
+    For the output recompute, which computes in fc2's backward the output fc2 saved a recipe
+    of: the same kernel and the same bits as the forward that made it (the inputs were checked
+    then).
 
     Args:
         plan: The layer's ``kernel_plan.KernelPlan``.

@@ -2,17 +2,23 @@
 
 An MLP saves two activation-sized tensors for its backward: fc1's output ``x`` (the activation's
 backward reads it) and the activation's output ``y`` (fc2 saves it for its weight gradient).
-``y`` is a function of ``x``, so with the option on the layer frees ``y``'s storage once fc2's
-forward has run and recomputes it from ``x`` just before fc2's backward: one ``[tokens, ffn]``
-tensor less per layer between the forward and the backward, for one activation forward more in
-the backward (docs/performance.md, "Low-memory backward", has the measured trade).
+``y`` is a function of ``x``, so with the option on fc2 saves, in place of ``y``, a recipe for
+it: while fc2's forward runs, saved-tensor hooks replace every tensor fc2 saves on ``y``'s
+storage by a note of its layout, and fc2's backward, when it unpacks it, gets ``y`` computed
+again from ``x`` by the same kernel. ``y`` itself is then freed as soon as the layer's forward
+drops it: one ``[tokens, ffn]`` tensor less per layer between the forward and the backward, for
+one activation forward more in the backward (docs/performance.md, "Low-memory backward", has the
+measured trade).
 
-The recomputation writes the same bits: the same activation, on the same ``x``, bias and
-probabilities, through the same kernel (no randomness is involved). It refills the storage that
-fc2's saved reference points at, so fc2 needs no change, whichever linear it is.
+Nothing visible to the caller is freed or changed: ``y`` stays a normal tensor for as long as
+anything holds it (a hook, an auxiliary loss, a logger), and then nothing is saved by the option.
+The recomputation gives the same bits (the same activation, on the same ``x``, bias and
+probabilities, through the same kernel backend as the forward's); if any of those was changed in
+place between the passes (an in-place backward that already ran, a reused buffer), the backward
+raises instead of computing from the changed values. fc2 needs no change, whichever linear it is.
 
-It composes with the in-place backward (``in_place``): the refill runs before fc2's backward, and
-the activation's backward, which may write over ``x``, runs after fc2's.
+It composes with the in-place backward (``in_place``): fc2's backward, which recomputes ``y``,
+runs before the activation's backward, which may write over ``x``.
 
 The option is off by default, as upstream behaves. Where it comes from, first match wins:
 
@@ -21,19 +27,19 @@ The option is off by default, as upstream behaves. Where it comes from, first ma
 3. the environment variable ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT``, read when this module is
    first imported and parsed as strictly as ``MCORE_ACTIVATIONS_PATCH``.
 
-The output is kept (nothing is freed, nothing recomputed) where freeing it would save nothing or
-could not be undone in time: no gradient flows to fc2's output; a CUDA graph is being captured or
-``torch.compile`` is tracing (a replay would neither free nor refill); saved-tensor hooks are
-active (activation offloading, ``torch.utils.checkpoint(use_reentrant=False)``: the hooks own what
-fc2 saves); the output is not
-contiguous or shares its storage with other values (a slice of a larger buffer), which freeing
-would destroy.
+fc2 saves ``y`` as it always does where the recipe would save nothing or could go wrong: no
+gradient is recorded; ``y`` has no autograd node of its own (then nothing else keeps ``x``, and
+the recipe would keep it, twice ``y``'s size); other saved-tensor hooks are active (activation
+offloading, ``torch.utils.checkpoint(use_reentrant=False)``: they own what is saved); a CUDA
+graph is being captured or ``torch.compile`` is tracing; ``y`` is not contiguous or does not fill
+its storage.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Optional
 
 import torch
@@ -105,8 +111,6 @@ def resolve(value: Optional[bool]) -> bool:
 
 
 def _fills_its_storage(t: torch.Tensor) -> bool:
-    # Freeing the storage must destroy nothing but ``t``'s values; another view of the same
-    # bytes (the fused kernels' 2-D output behind a 3-D result) is refilled with them.
     return (
         t.is_contiguous()
         and t.storage_offset() == 0
@@ -114,65 +118,113 @@ def _fills_its_storage(t: torch.Tensor) -> bool:
     )
 
 
-def discard_until_backward(
-    output: torch.Tensor,
-    consumer_output: torch.Tensor,
-    recompute: Callable[[torch.Tensor], object],
-) -> bool:
-    """Frees ``output``'s storage now and refills it before ``consumer_output``'s backward.
+class _Source:
+    """How to compute the output again, shared by every tensor fc2 saved on its storage."""
 
-    Call it after the consumer (fc2) has run its forward on ``output``. When the backward reaches
-    the node that made ``consumer_output``, before that node runs, the storage is allocated
-    again and ``recompute(target)`` is called under ``torch.no_grad()`` with ``target`` a tensor
-    of ``output``'s shape and dtype on it, to fill with ``output``'s values. Writing straight
-    into the storage keeps the backward's peak where it was: no second output-sized buffer.
-    Upstream's ``CheckpointWithoutOutput`` frees a block's output the same way; here the
-    activation's own graph is kept (it saves only fc1's output), so nothing but the output is
-    computed again.
+    __slots__ = ("shape", "dtype", "device", "recompute", "inputs", "versions", "fresh")
+
+    def __init__(self, output: torch.Tensor, recompute, inputs):
+        self.shape, self.dtype, self.device = output.shape, output.dtype, output.device
+        self.recompute = recompute
+        self.inputs = [t for t in inputs if t is not None]
+        self.versions = [t._version for t in self.inputs]
+        self.fresh = None  # a weak reference to the last recomputation, while it lives
+
+    def materialize(self) -> torch.Tensor:
+        fresh = self.fresh() if self.fresh is not None else None
+        if fresh is not None:
+            return fresh  # fc2 saved more than one view of the output
+        if [t._version for t in self.inputs] != self.versions:
+            raise RuntimeError(
+                f"{OPTION}: fc1's output, bias or token weights were modified in place after the "
+                "forward (by an in-place backward that already ran, or by a reused buffer), so "
+                "fc2's saved input cannot be computed again. Backpropagate through the graph "
+                f"once, keep those tensors unchanged until the backward, or turn {OPTION} off "
+                f"({ENV_VAR}=0)."
+            )
+        fresh = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            self.recompute(fresh)
+        self.fresh = weakref.ref(fresh)
+        return fresh
+
+
+class _Saved:
+    """What fc2's node keeps in place of a tensor on the output's storage: its layout."""
+
+    __slots__ = ("source", "size", "stride", "offset")
+
+    def __init__(self, source: _Source, t: torch.Tensor):
+        self.source, self.size, self.stride, self.offset = (
+            source,
+            t.shape,
+            t.stride(),
+            t.storage_offset(),
+        )
+
+
+def recompute_when_saved(
+    output: torch.Tensor,
+    recompute: Callable[[torch.Tensor], object],
+    inputs: Iterable[Optional[torch.Tensor]] = (),
+):
+    """A context in which tensors saved for backward on ``output``'s storage become recipes.
+
+    Wrap the consumer's forward (fc2's) in it. Each tensor the consumer saves that lives on
+    ``output``'s storage is kept as its layout instead; when the backward unpacks it,
+    ``recompute(target)`` fills ``target`` (a new tensor of ``output``'s shape and dtype) under
+    ``torch.no_grad()`` and the saved view is taken of that. Upstream's
+    ``CheckpointWithoutOutput`` frees a block's output after the fact; here nothing is freed that
+    a caller can see, and the activation's own graph, which saves fc1's output, is kept.
 
     Args:
-        output: The tensor to free: the activation's output, which the consumer saved.
-        consumer_output: The consumer's output; its gradient function triggers the refill.
-        recompute: Fills the tensor it is given with the output's values, from inputs the
-            backward still has.
+        output: The activation's output, about to be consumed.
+        recompute: Fills the tensor it is given with ``output``'s values.
+        inputs: The tensors ``recompute`` reads; modifying one in place before the backward makes
+            the unpack raise instead of recomputing from it.
 
     Returns:
-        Whether the storage was freed (see the module docstring for when it is kept).
+        The context manager; a no-op one where the option cannot help (module docstring).
     """
+    if not _applies_to(output):
+        return contextlib.nullcontext()
+    return _RecipeHooks(_Source(output, recompute, inputs), output)
+
+
+class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
+    """The hooks of :func:`recompute_when_saved`; ``recipes`` counts the tensors they replaced."""
+
+    def __init__(self, source: _Source, output: torch.Tensor):
+        self.recipes = 0
+        key = (output.untyped_storage().data_ptr(), output.device)
+
+        def pack(t: torch.Tensor):
+            if t.device == key[1] and t.untyped_storage().data_ptr() == key[0]:
+                self.recipes += 1
+                return _Saved(source, t)
+            return t
+
+        super().__init__(pack, _unpack)
+
+
+def _unpack(saved):
+    if not isinstance(saved, _Saved):
+        return saved
+    fresh = saved.source.materialize()
+    if saved.size == fresh.shape and saved.offset == 0 and saved.stride == fresh.stride():
+        return fresh
+    return fresh.as_strided(saved.size, saved.stride, saved.offset)
+
+
+def _applies_to(output: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
-        return False  # storage cannot be freed or refilled inside a traced graph
-    node = consumer_output.grad_fn
-    if node is None or not torch.is_grad_enabled() or output.numel() == 0:
+        return False  # a traced graph plans its own memory
+    if not torch.is_grad_enabled() or output.grad_fn is None or output.numel() == 0:
         return False
     if not _fills_its_storage(output):
         return False
     if output.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-        # Saved-tensor hooks own what the consumer saved (offloading packs a copy; a
-        # non-reentrant checkpoint recomputes the forward, output and all, on unpack, and this
-        # call would free the recomputed output too): nothing to gain, and a refill could miss.
-        return False
-    storage = output.untyped_storage()
-    nbytes = storage.nbytes()
-    shape, dtype, device = output.shape, output.dtype, output.device
-    storage.resize_(0)
-    # The hook holds the storage only until it refills it: after that the consumer's saved
-    # tensor alone keeps it, so it is freed when the consumer's backward releases that tensor
-    # (holding it longer would keep an output-sized buffer through the rest of the backward).
-    pending = [storage]
-
-    def refill(_grad_outputs):
-        if not pending:
-            return None  # a second backward through a retained graph: still filled
-        target_storage = pending.pop()
-        target_storage.resize_(nbytes)
-        # A tensor of its own on the same storage: the consumer's saved reference sees the
-        # values, and its version counter (autograd's check) is not bumped.
-        target = torch.empty(0, dtype=dtype, device=device).set_(target_storage, 0, shape)
-        with torch.no_grad():
-            recompute(target)
-        return None
-
-    node.register_prehook(refill)
-    return True
+    # Other saved-tensor hooks own what is saved (offloading packs a copy; a non-reentrant
+    # checkpoint drops fc1's output, which the recipe would keep alive).
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is None

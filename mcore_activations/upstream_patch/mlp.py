@@ -99,10 +99,11 @@ def _make_mlp_forward(mlp_module):
         intermediate = activation(fc1_output, bias, probs, func=self.activation_func)
         _nvtx(mlp_module, "pop", "activation")
         _nvtx(mlp_module, "push", "linear_fc2")
-        output, output_bias = self.linear_fc2(intermediate)
+        # With the output-recompute option fc2 saves a recipe of its input, not the input.
+        with activation.fc2_saves_recipe(intermediate, fc1_output, bias, probs):
+            output, output_bias = self.linear_fc2(intermediate)
+        del intermediate
         _nvtx(mlp_module, "pop", "linear_fc2")
-        # With the output-recompute option, fc2's saved input is freed until its backward.
-        activation.release_output(intermediate, output, fc1_output, bias, probs)
         if per_token_scale is not None and output_bias is not None:
             output = paths.add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None

@@ -217,9 +217,10 @@ class MLP(MegatronModule):
         probs = per_token_probs(per_token_scale, fc1_output)
         activation = self._current_activation()
         intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
-        output, output_bias = self.linear_fc2(intermediate)
-        # With the output-recompute option, fc2's saved input is freed until its backward.
-        activation.release_output(intermediate, output, fc1_output, fc1_bias, probs)
+        # With the output-recompute option fc2 saves a recipe of its input, not the input.
+        with activation.fc2_saves_recipe(intermediate, fc1_output, fc1_bias, probs):
+            output, output_bias = self.linear_fc2(intermediate)
+        del intermediate
 
         if per_token_scale is not None and output_bias is not None:
             # Every token's contribution, bias included, is weighted by its router probability.

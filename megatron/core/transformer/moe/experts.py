@@ -17,6 +17,7 @@ fused grouped kernels read); the spec carries that layout, so every path reads i
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from mcore_activations.activation_path import LayerActivation, select_layer_acti
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec, deinterleave_glu
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from mcore_activations.te_lowering import lower_activation_to_te_op
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, get_cuda_rng_tracker
 from megatron.core.transformer.mlp import MLP, MLPSubmodules, _child_name, te_activation_factory
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -425,10 +426,28 @@ class TEGroupedMLP(MegatronModule):
 
         fc1_output, fc1_bias = self.linear_fc1(hidden_states, split_sizes)
         activation = self._current_activation()
+        if self.activation_recompute and not activation.recomputes_fused_output():
+            return self._forward_with_checkpointed_activation(
+                activation, fc1_output, fc1_bias, probs, split_sizes
+            )
         intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
+        # With the output-recompute option (or 'moe_act') fc2 saves a recipe of its input.
+        with activation.fc2_saves_recipe(intermediate, fc1_output, fc1_bias, probs):
+            output, fc2_bias = self.linear_fc2(intermediate, split_sizes)
+        del intermediate
+        return _apply_bias(output, fc2_bias, split_sizes, probs), None
+
+    def _forward_with_checkpointed_activation(
+        self, activation, fc1_output, fc1_bias, probs, split_sizes
+    ):
+        """'moe_act' where the fused recipe cannot serve (the unfused and TE-module paths, FP8
+        input store, offloading): upstream's output-discarding checkpoint of the activation."""
+        checkpoint = CheckpointWithoutOutput()
+        intermediate = checkpoint.checkpoint(
+            functools.partial(activation, func=self.activation_func), fc1_output, fc1_bias, probs
+        )
         output, fc2_bias = self.linear_fc2(intermediate, split_sizes)
-        # With the output-recompute option, fc2's saved input is freed until its backward.
-        activation.release_output(intermediate, output, fc1_output, fc1_bias, probs)
+        checkpoint.discard_output_and_register_recompute(output)
         return _apply_bias(output, fc2_bias, split_sizes, probs), None
 
     def _activate(

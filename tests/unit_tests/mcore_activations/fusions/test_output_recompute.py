@@ -1,21 +1,25 @@
-"""The output-recompute option: fc2's saved input freed after its forward, refilled before its
-backward, with bitwise the gradients of keeping it.
+"""The output-recompute option: fc2 saves a recipe of its input, not the input, with bitwise the
+gradients of keeping it, and nothing a caller can see is freed or changed.
 
 Numerics: for every catalogue activation (GLU interleave included), with and without bias and
 token weights, with the in-place backward off and on, on the eager torch backend (and the
-Triton kernels under ``-m gpu``): the activation's output storage is empty between the passes
-and every gradient equals the option-off one bit for bit. The layers (the fork's ``MLP`` and
-``TEGroupedMLP``) free it only on the fused path. Kept, not freed: no gradient to the consumer,
-a non-contiguous output, storage shared with other values, the unfused path, FP8 input store,
-``torch.compile``. The option's argument, process default and environment variable are checked
-like the in-place one.
+Triton kernels under ``-m gpu``): nothing keeps the activation's output after the forward, and
+every gradient equals the option-off one bit for bit. Views fc2 saves, a second backward through
+a retained graph, the forward's kernel backend, inputs changed in place between the passes (an
+error, never other numbers), another consumer of the output (kept, still exact). The layers (the
+fork's ``MLP`` and ``TEGroupedMLP``, its 'moe_act' on every path). Where the option stands aside:
+no gradient, no autograd node of the output's own, saved-tensor hooks, a non-contiguous output,
+storage shared with other values, the unfused path, FP8 input store, ``torch.compile``. The
+option's argument, process default and environment variable are checked like the in-place one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -49,20 +53,26 @@ def _inputs(spec, dtype, has_bias, has_probs, rows, ffn, device, seed=0):
     return [t.to(device) if t is not None else None for t in (x, bias, probs, weight, grad)]
 
 
-def _step(activation, x, bias, probs, weight, grad):
-    """fc1 stand-in -> activation -> fc2 stand-in (a matmul, which saves the activation's output)
-    and back; returns the gradients and the output storage's size between the passes."""
+def _fused(spec=None, **kwargs):
+    return LayerActivation(spec or SPECS["swiglu_clamp"], FUSED_KERNEL_PATH, F.silu, **kwargs)
+
+
+def _step(activation, x, bias, probs, weight, grad, consume=lambda y, w: y @ w):
+    """fc1 stand-in -> activation -> fc2 stand-in (a matmul, which saves its input) and back;
+    returns the gradients and whether anything kept the activation's output after the forward."""
     leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in (x, bias)]
     leaves += [probs.detach().clone().requires_grad_() if probs is not None else None]
     w = weight.detach().clone().requires_grad_()
     fc1_out = leaves[0] * 1
     y = activation(fc1_out, leaves[1], leaves[2])
-    out = y @ w
-    freed = activation.release_output(y, out, fc1_out, leaves[1], leaves[2])
-    between = y.untyped_storage().nbytes()
+    with activation.fc2_saves_recipe(y, fc1_out, leaves[1], leaves[2]):
+        out = consume(y, w)
+    ref = weakref.ref(y)
+    del y
+    kept = ref() is not None
     out.backward(grad)
     grads = [t.grad for t in leaves if t is not None] + [w.grad]
-    return freed, between, y.detach(), grads
+    return kept, out.detach(), grads
 
 
 def check_recompute(spec, dtype, has_bias, has_probs, backend, device, rows=7, ffn=12):
@@ -70,15 +80,12 @@ def check_recompute(spec, dtype, has_bias, has_probs, backend, device, rows=7, f
     what = f"{spec.name} {dtype} bias={has_bias} probs={has_probs} {backend}"
     with use_kernel_backend(backend):
         for in_place in (False, True):
-            kept = LayerActivation(spec, FUSED_KERNEL_PATH, F.silu, in_place_backward=in_place)
-            freed_layer = LayerActivation(
-                spec, FUSED_KERNEL_PATH, F.silu, in_place_backward=in_place, recompute_output=True
-            )
-            freed_ref, _, y_ref, grads_ref = _step(kept, x, bias, probs, weight, grad)
-            freed, between, y, grads = _step(freed_layer, x, bias, probs, weight, grad)
-            assert not freed_ref and freed, what
-            assert between == 0, f"{what}: the output was not freed between the passes"
-            assert torch.equal(y, y_ref), f"{what}: the refilled output differs"
+            kept_layer = _fused(spec, in_place_backward=in_place)
+            recipe_layer = _fused(spec, in_place_backward=in_place, recompute_output=True)
+            kept, out_ref, grads_ref = _step(kept_layer, x, bias, probs, weight, grad)
+            still_kept, out, grads = _step(recipe_layer, x, bias, probs, weight, grad)
+            assert kept and not still_kept, f"{what}: fc2 still keeps the output"
+            assert torch.equal(out, out_ref), what
             for a, b in zip(grads, grads_ref):
                 assert torch.equal(a, b), f"{what} in_place={in_place}: a gradient differs"
 
@@ -101,19 +108,36 @@ def test_recompute_every_dtype(dtype, backend, device):
     check_recompute(SPECS["swiglu_clamp"], dtype, True, True, backend, device, rows=1, ffn=40)
 
 
-def _fused(spec=None, **kwargs):
-    return LayerActivation(spec or SPECS["swiglu_clamp"], FUSED_KERNEL_PATH, F.silu, **kwargs)
+@pytest.mark.parametrize(
+    "consume",
+    [
+        pytest.param(lambda y, w: y.t().contiguous().t() @ w, id="a copy"),
+        pytest.param(lambda y, w: (y.t().t() @ w) + (y.view(-1)[:5] * 2).sum(), id="two views"),
+        pytest.param(lambda y, w: (w.t() @ y.t()).t(), id="a transposed view"),
+    ],
+)
+def test_views_the_consumer_saves_are_recomputed_as_views(consume):
+    spec = SPECS["quick_geglu_gpt_oss"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 6, 8, "cpu")
+    _, out_ref, grads_ref = _step(_fused(spec), x, bias, probs, weight, grad, consume)
+    _, out, grads = _step(
+        _fused(spec, recompute_output=True), x, bias, probs, weight, grad, consume
+    )
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
 
 
-def test_retained_graph_second_backward_reads_the_refilled_output():
+def test_retained_graph_second_backward_recomputes_again():
     spec = SPECS["swiglu_clamp"]
     x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
     w = weight.clone().requires_grad_()
     leaf = x.clone().requires_grad_()
     activation = _fused(recompute_output=True)
-    y = activation(leaf * 1, bias, probs)
-    out = y @ w
-    assert activation.release_output(y, out, leaf * 1, bias, probs)
+    fc1_out = leaf * 1
+    y = activation(fc1_out, bias, probs)
+    with activation.fc2_saves_recipe(y, fc1_out, bias, probs):
+        out = y @ w
+    del y
     out.backward(grad, retain_graph=True)
     first = w.grad.clone()
     w.grad = None
@@ -121,121 +145,156 @@ def test_retained_graph_second_backward_reads_the_refilled_output():
     assert torch.equal(w.grad, first)
 
 
+def test_an_in_place_backward_that_already_ran_makes_the_second_one_raise():
+    spec = SPECS["swiglu_clamp"]
+    x, _, _, weight, grad = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
+    activation = _fused(recompute_output=True, in_place_backward=True)
+    fc1_out = x.clone().requires_grad_() * 1
+    y = activation(fc1_out)
+    with activation.fc2_saves_recipe(y, fc1_out):
+        out = y @ weight.clone().requires_grad_()
+    del y
+    out.backward(grad, retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.backward(grad)
+
+
+def test_token_weights_changed_in_place_between_the_passes_raise():
+    spec = SPECS["swiglu"]
+    x, _, probs, weight, grad = _inputs(spec, torch.float32, False, True, 4, 8, "cpu")
+    activation = _fused(spec, recompute_output=True)
+    fc1_out = x.clone().requires_grad_() * 1
+    y = activation(fc1_out, None, probs)
+    with activation.fc2_saves_recipe(y, fc1_out, None, probs):
+        out = y @ weight.clone().requires_grad_()
+    del y
+    probs.mul_(0.5)  # a reused buffer
+    with pytest.raises(RuntimeError, match="modified in place after the forward"):
+        out.backward(grad)
+
+
+def test_the_forwards_kernel_backend_is_used_again():
+    spec = SPECS["situ_glu"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 6, 8, "cpu")
+    got = []
+    for enabled in (False, True):
+        activation = _fused(spec, recompute_output=enabled)
+        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        with use_kernel_backend("eager"):
+            fc1_out = leaf * 1
+            y = activation(fc1_out, bias, probs)
+            with activation.fc2_saves_recipe(y, fc1_out, bias, probs):
+                out = y @ w
+        del y
+        with use_kernel_backend("inductor"):
+            out.backward(grad)
+        got.append((leaf.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.parametrize("where", ["inside", "after"])
+def test_another_consumer_of_the_output_gives_the_same_numbers(where):
+    """An auxiliary loss on fc2's input: made inside the block (a forward hook on fc2) it saves
+    a recipe too; made after it, it keeps the output itself. The numbers are the same."""
+    spec = SPECS["swiglu_clamp"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
+    aux = []
+
+    def consume(y, w):
+        out = y @ w
+        if where == "inside":
+            aux.append(y.square().mean())
+        return out
+
+    results = []
+    for enabled in (False, True):
+        activation = _fused(spec, recompute_output=enabled)
+        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        fc1_out = leaf * 1
+        y = activation(fc1_out, bias, probs)
+        with activation.fc2_saves_recipe(y, fc1_out, bias, probs):
+            out = consume(y, w)
+        extra = aux[-1] if where == "inside" else y.square().mean()
+        del y
+        (out.square().sum() + extra).backward()
+        results.append((leaf.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize(
     "case",
     [
         "option off",
         "no grad",
-        "consumer without grad",
+        "no node of its own",
         "non-contiguous",
         "slice of a buffer",
         "empty",
+        "saved-tensor hooks",
+        "non-reentrant checkpoint",
     ],
 )
-def test_output_is_kept_where_freeing_cannot_help(case):
+def test_the_option_stands_aside_where_a_recipe_cannot_help(case):
     spec = SPECS["swiglu_clamp"]
-    x, _, _, weight, _ = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
-    fc1_out = x.clone().requires_grad_() * 1
+    x, _, _, _, _ = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
     activation = _fused(recompute_output=case != "option off")
+    fc1_out = x.clone().requires_grad_(case != "no node of its own") * 1
     if case == "empty":
         fc1_out = fc1_out[:0]
-    if case == "no grad":
-        with torch.no_grad():
-            y = activation(fc1_out)
-            out = y @ weight
-    else:
+    contexts = []
+
+    def block(fc1_out):
         y = activation(fc1_out)
         if case == "non-contiguous":
             y = y.t().contiguous().t()
         if case == "slice of a buffer":
             y = torch.cat([y, y])[:4]
-        out = y.detach() @ weight if case == "consumer without grad" else y @ weight
-    size = y.untyped_storage().nbytes()
-    assert not activation.release_output(y, out, fc1_out)
-    assert y.untyped_storage().nbytes() == size
+        contexts.append(activation.fc2_saves_recipe(y, fc1_out))
+        return y
 
-
-@pytest.mark.parametrize("hooks", ["non-reentrant checkpoint", "saved-tensor hooks"])
-def test_saved_tensor_hooks_keep_the_output_and_the_gradients(hooks):
-    spec = SPECS["swiglu_clamp"]
-    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
-    freed = []
-
-    def block(fc1_out, w, activation):
-        y = activation(fc1_out, bias, probs)
-        out = y @ w
-        freed.append(activation.release_output(y, out, fc1_out, bias, probs))
-        return out
-
-    got = []
-    for enabled in (False, True):
-        activation = _fused(spec, recompute_output=enabled)
-        leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
-        if hooks == "non-reentrant checkpoint":
-            out = torch.utils.checkpoint.checkpoint(
-                block, leaf * 1, w, activation, use_reentrant=False
-            )
-        else:
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
-                out = block(leaf * 1, w, activation)
-        out.backward(grad)
-        got.append((leaf.grad, w.grad))
-    assert not any(freed)
-    assert all(torch.equal(a, b) for a, b in zip(*got))
+    if case == "no grad":
+        with torch.no_grad():
+            block(fc1_out)
+    elif case == "saved-tensor hooks":
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            block(fc1_out)
+    elif case == "non-reentrant checkpoint":
+        torch.utils.checkpoint.checkpoint(block, fc1_out, use_reentrant=False)
+    else:
+        block(fc1_out)
+    assert contexts and all(isinstance(c, contextlib.nullcontext) for c in contexts)
 
 
 @pytest.mark.parametrize("path", ["unfused", "fp8 input store"])
-def test_only_the_fused_path_frees_its_output(path):
+def test_only_the_fused_path_saves_a_recipe(path):
     spec = SPECS["swiglu"]
     if path == "unfused":
         activation = LayerActivation(spec, UNFUSED_PATH, F.silu, recompute_output=True)
     else:
         activation = _fused(spec, fp8_input_store=True, recompute_output=True)
-    x, _, _, weight, _ = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
+    x, _, _, _, _ = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
     fc1_out = x.clone().requires_grad_() * 1
     y = activation(fc1_out)
-    assert not activation.release_output(y, y @ weight, fc1_out)
+    assert isinstance(activation.fc2_saves_recipe(y, fc1_out), contextlib.nullcontext)
+    assert not activation.recomputes_fused_output()
 
 
-def test_compiled_region_keeps_the_output():
+def test_compiled_region_computes_the_same():
     spec = SPECS["swiglu_clamp"]
     activation = _fused(spec, recompute_output=True)
     x, _, _, weight, grad = _inputs(spec, torch.float32, False, False, 4, 8, "cpu")
 
     def block(fc1_out, w):
         y = activation(fc1_out)
-        out = y @ w
-        activation.release_output(y, out, fc1_out)
-        return out
+        with activation.fc2_saves_recipe(y, fc1_out):
+            return y @ w
 
     compiled = torch.compile(block, backend="eager", fullgraph=True)
-    leaf = x.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
+    leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
     compiled(leaf * 1, w).backward(grad)
-    leaf_ref = x.clone().requires_grad_()
-    w_ref = weight.clone().requires_grad_()
-    block_out = activation(leaf_ref * 1) @ w_ref
-    block_out.backward(grad)
+    leaf_ref, w_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    (activation(leaf_ref * 1) @ w_ref).backward(grad)
     assert torch.equal(w.grad, w_ref.grad) and torch.equal(leaf.grad, leaf_ref.grad)
-
-
-def test_recompute_fills_the_freed_storage_itself():
-    x = torch.randn(4, 8, requires_grad=True)
-    y = x * 2
-    out = (y * y.detach()).sum()
-    seen = []
-
-    def recompute(target):
-        seen.append((tuple(target.shape), target.dtype, target.untyped_storage()))
-        target.copy_(x.detach() * 2)
-
-    version = y._version
-    assert output_recompute.discard_until_backward(y, out, recompute)
-    out.backward()
-    ((shape, dtype, storage),) = seen
-    assert (shape, dtype) == ((4, 8), torch.float32)
-    assert storage.data_ptr() == y.untyped_storage().data_ptr() != 0
-    assert torch.equal(y, x.detach() * 2) and y._version == version
 
 
 # ------------------------------------------------------------------------------ the layers
@@ -292,63 +351,97 @@ def _layer_step(layer, kind, hidden, per_token):
     return [h.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
+@contextlib.contextmanager
+def _recipes_made():
+    """The number of tensors fc2 saved as recipes in the block, one entry per layer call that
+    asked for them."""
+    made = []
+    original = output_recompute.recompute_when_saved
+
+    def spy(*args, **kwargs):
+        context = original(*args, **kwargs)
+        made.append(context)
+        return context
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(output_recompute, "recompute_when_saved", spy)
+        yield made
+    made[:] = [getattr(c, "recipes", 0) for c in made]
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["", "token weights"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
 @pytest.mark.parametrize("kind", ["mlp", "grouped"])
-def test_layers_free_fc2_input_and_give_the_same_gradients(
+def test_layers_drop_fc2_input_and_give_the_same_gradients(
     kind, in_place, per_token, layer_builder
 ):
     torch.manual_seed(3)
     layer = layer_builder(kind)
     hidden = torch.randn(6, 16) * 3 if kind == "grouped" else torch.randn(3, 2, 16) * 3
     per_token_scale = torch.rand(hidden.shape[:-1]) if per_token or kind == "grouped" else None
-    freed = []
-    discard = output_recompute.discard_until_backward
-
-    def spy(output, consumer_output, recompute):
-        result = discard(output, consumer_output, recompute)
-        freed.append((result, output.untyped_storage().nbytes()))
-        return result
-
-    got = []
+    got, made = [], []
     with use_in_place_backward(in_place):
         for enabled in (False, True):
-            with use_recompute_output(enabled), pytest.MonkeyPatch.context() as mp:
-                mp.setattr(output_recompute, "discard_until_backward", spy)
+            with use_recompute_output(enabled), _recipes_made() as recipes:
                 got.append(_layer_step(layer, kind, hidden, per_token_scale))
-    assert freed == [(True, 0)], "the layer did not free fc2's input exactly once"
+            made.append(recipes)
+    # Off: the option is not asked. On: fc2 saved its input as recipes (the grouped fc2 saves
+    # one view of it per expert).
+    assert made[0] == [] and len(made[1]) == 1 and made[1][0] == (2 if kind == "grouped" else 1)
     for a, b in zip(*got):
         assert torch.equal(a, b)
+
+
+def test_a_forward_hook_reading_fc2_input_sees_it_and_trains_the_same(layer_builder):
+    layer = layer_builder("mlp")
+    hidden = torch.randn(3, 2, 16) * 3
+    got = []
+    kept = []
+    layer.linear_fc2.register_forward_hook(lambda m, args, out: kept.append(args[0]))
+    for enabled in (False, True):
+        layer.zero_grad()
+        h = hidden.clone().requires_grad_()
+        with use_recompute_output(enabled):
+            out, bias = layer(h)
+        # The hook's reference reads the values of fc2's input whenever it likes.
+        assert torch.equal(kept[-1], kept[0])
+        ((out + bias).square().sum() + kept[-1].square().mean()).backward()
+        got.append([h.grad] + [p.grad.clone() for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 MOE_ACT = dict(recompute_granularity="selective", recompute_modules=["moe_act"])
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
-def test_grouped_experts_honour_upstreams_moe_act_recompute(in_place, layer_builder):
-    """'moe_act' (upstream's selective recompute of the MoE activation) turns the option on for
-    the fork's TEGroupedMLP whatever the process default, and, recomputing from fc1's output
-    itself, passes the in-place backward's config check that upstream's checkpoint fails."""
+def test_grouped_experts_honour_upstreams_moe_act_recompute(in_place, fused, layer_builder):
+    """'moe_act' (upstream's selective recompute of the MoE activation) makes the fork's
+    TEGroupedMLP keep a recipe of fc2's input on the fused path whatever the process default,
+    and run upstream's output-discarding checkpoint elsewhere; on the fused path, recomputing
+    from fc1's output itself, it passes the in-place backward's config check that upstream's
+    checkpoint fails."""
     from mcore_activations.fusions import in_place as in_place_mod
 
+    if in_place and not fused:
+        pytest.skip("the in-place backward is an option of the fused kernels")
     torch.manual_seed(3)
     with use_in_place_backward(in_place):
-        plain = layer_builder("grouped")
-        recomputing = layer_builder("grouped", **MOE_ACT)
+        plain = layer_builder("grouped", bias_activation_fusion=fused)
+        recomputing = layer_builder("grouped", bias_activation_fusion=fused, **MOE_ACT)
     assert recomputing.activation_recompute and not plain.activation_recompute
+    assert recomputing.layer_activation.recomputes_fused_output() is fused
     recomputing.load_state_dict(plain.state_dict())
     hidden, probs = torch.randn(6, 16) * 3, torch.rand(6)
-    freed = []
-    discard = output_recompute.discard_until_backward
-
-    def spy(output, consumer_output, recompute):
-        freed.append(discard(output, consumer_output, recompute))
-        return freed[-1]
-
-    with use_in_place_backward(in_place), pytest.MonkeyPatch.context() as mp:
-        mp.setattr(output_recompute, "discard_until_backward", spy)
-        got = [_layer_step(layer, "grouped", hidden, probs) for layer in (plain, recomputing)]
-    assert freed == [True]
+    got, made = [], []
+    with use_in_place_backward(in_place):
+        for layer in (plain, recomputing):
+            with _recipes_made() as recipes:
+                got.append(_layer_step(layer, "grouped", hidden, probs))
+            made.append(recipes)
+    # Fused: the recomputing layer's fc2 saved a recipe (the plain one does not ask).
+    # Unfused: nothing asks; upstream's checkpoint frees the output instead.
+    assert made == ([[], [2]] if fused else [[], []]), made  # one view per expert
     for a, b in zip(*got):
         assert torch.equal(a, b)
     # Upstream's own TEGroupedMLP (patched) recomputes on a detached copy: still a conflict.
@@ -408,10 +501,9 @@ def test_process_default_setters():
 @pytest.mark.gpu
 @pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
 @pytest.mark.parametrize("name", ["swiglu", "swiglu_clamp", "quick_geglu_gpt_oss"])
-def test_freed_output_lowers_the_memory_held_and_not_the_peak(name, in_place):
+def test_recipe_lowers_the_memory_held_and_not_the_peak(name, in_place):
     """Between the passes one output less is held; the backward's peak does not grow (the
-    output is recomputed into its own storage, and that storage is released with fc2's saved
-    tensors, as without the option)."""
+    recomputed output lives from fc2's backward until it releases it, as the kept one would)."""
     spec = SPECS[name]
     rows, ffn = 4096, 2048
     x, bias, probs, weight, grad = _inputs(spec, torch.bfloat16, True, True, rows, ffn, "cuda")
@@ -425,8 +517,8 @@ def test_freed_output_lowers_the_memory_held_and_not_the_peak(name, in_place):
         before = torch.cuda.memory_allocated()
         fc1_out = leaf * 1
         y = activation(fc1_out, bias, probs)
-        out = y @ w
-        activation.release_output(y, out, fc1_out, bias, probs)
+        with activation.fc2_saves_recipe(y, fc1_out, bias, probs):
+            out = y @ w
         del y, fc1_out
         held[enabled] = torch.cuda.memory_allocated() - before
         torch.cuda.reset_peak_memory_stats()
