@@ -192,7 +192,7 @@ def triton_forward(
         params: the float32 parameter tensor (``kernel_params``) on ``x``'s device.
         options: the launch plans' numbers; production passes none.
         out: a contiguous ``[rows, F]`` tensor of ``x``'s dtype to write the activation into
-            (the output recompute refills a freed output in place); None allocates one.
+            (the output recompute hands it the tensor fc2 will read); None allocates one.
 
     Returns:
         The activation, ``[rows, F]`` in ``x``'s dtype (``out`` when given).
