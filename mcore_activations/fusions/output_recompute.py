@@ -195,16 +195,23 @@ class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
     """The hooks of :func:`recompute_when_saved`; ``recipes`` counts the tensors they replaced."""
 
     def __init__(self, source: _Source, output: torch.Tensor):
-        self.recipes = 0
         key = (output.untyped_storage().data_ptr(), output.device)
+        # The pack hook must not refer to this object: the hooks hold it, and a cycle through it
+        # would keep ``source`` (and with it fc1's output) alive after the backward until
+        # Python's cycle collector ran, twice the output's size per layer.
+        replaced = self._replaced = [0]
 
         def pack(t: torch.Tensor):
             if t.device == key[1] and t.untyped_storage().data_ptr() == key[0]:
-                self.recipes += 1
+                replaced[0] += 1
                 return _Saved(source, t)
             return t
 
         super().__init__(pack, _unpack)
+
+    @property
+    def recipes(self) -> int:
+        return self._replaced[0]
 
 
 def _unpack(saved):

@@ -38,6 +38,7 @@ from megatron.core.extensions.te_recipes import (
     make_fused_recipe,
     resolve_fused_recipe,
 )
+from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
 # TEFusedOpsMixin lives in te_fused_ops (the fused norm uses it too); importable here as before.
@@ -279,8 +280,8 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
             glu_interleave_size,
         )
         # Resolved before the linears are allocated, so an unknown recipe fails fast; the
-        # hardware is asked in _recipe(). Plain attributes may be set before nn.Module.__init__;
-        # TEFusedMLP.__init__ reads them back.
+        # hardware is asked in _quantization_recipe(). Plain attributes may be set before
+        # nn.Module.__init__; TEFusedMLP.__init__ reads them back.
         self.fused_recipe_name = resolve_fused_recipe(config, path=cls_name)
         self.glu_interleave_size = glu_interleave_size
         super().__init__(
@@ -294,7 +295,6 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
             pg_collection=pg_collection,
         )
         self._norm_seq: Optional[tuple[Any]] = None
-        self._fused_recipe: Optional[tuple[Any]] = None
         if glu_interleave_size is not None:
             self._check_interleave_divides_ffn(glu_interleave_size)
             self.register_state_dict_post_hook(fc1_weight_to_halves)
@@ -379,7 +379,17 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         super()._register_hooks_on_fused_impl(fused, pre_hook_target=pre_hook_target)
 
     def _tensor_parallel(self) -> bool:
-        return self._get_te_ops_tensor_parallel_context()[0] > 1
+        # A group of the module's own decides; with parallel_state's group (or none), the size is
+        # asked of the public get_tensor_model_parallel_world_size, as upstream's class asks it
+        # at every call, so a patch of it there decides here too.
+        group = self.__dict__.get("tp_group")
+        if group is None:
+            group = getattr(self.__dict__.get("_modules", {}).get("linear_fc1"), "tp_group", None)
+        if group is not None and group is not get_tensor_model_parallel_group(
+            check_initialized=False
+        ):
+            return tensor_parallel_context(group)[0] > 1
+        return tensor_parallel_context(None)[0] > 1
 
     def _check_fused_linears(self) -> None:
         if self._tensor_parallel():
@@ -401,13 +411,30 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         for linear in (fc1, fc2):
             _te_ops_userbuffers_options(linear)  # a configured overlap this TE cannot run
 
-    def _recipe(self):
-        if self._fused_recipe is None:
-            # Once, on first use (the first forward): the GPU is only known where the model runs.
-            # A refusal leaves the cache empty, so every later forward refuses again.
-            check_fused_recipe_runs_here(self.fused_recipe_name, path=type(self).__name__)
-            self._fused_recipe = (make_fused_recipe(self.fused_recipe_name),)
-        return self._fused_recipe[0]
+    def _quantization_recipe(self):
+        """The TE recipe object (None for ``"none"``), made on first use and kept as ``_recipe``,
+        upstream's attribute.
+
+        Made at the first forward: the GPU is only known where the model runs. A refusal keeps
+        nothing, so every later forward refuses again.
+        """
+        if "_recipe" not in self.__dict__:
+            name = self.__dict__.get("fused_recipe_name")
+            if name is None:  # an instance made without __init__: upstream's choice, at call time
+                name = resolve_fused_recipe(None, path=type(self).__name__)
+            check_fused_recipe_runs_here(name, path=type(self).__name__)
+            self._recipe = make_fused_recipe(name)
+        return self._recipe
+
+    def _get_fused_impl(self):
+        if self._tensor_parallel():
+            return super()._get_fused_impl()
+        if self._fused_impl is None:
+            # The grouped ops are made under the recipe, so that TE allocates their weights'
+            # quantized forms; _make_fused_impl hooks them itself, as upstream's does.
+            with fused_recipe_model_init(self._quantization_recipe()):
+                self._fused_impl = (self._make_fused_impl(),)
+        return self._fused_impl[0]
 
     def _make_fused_impl(self):
         if self._tensor_parallel():
@@ -420,19 +447,28 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         # is refused first; it holds no weight a recipe would quantize (fc1's is aliased).
         self._norm_seq = None
         if _is_layer_norm_linear(fc1):
-            norm = self._make_te_ops_norm_from_mcore_te_layernorm_linear(fc1, "linear_fc1")
-            self._norm_seq = (ops.Sequential(norm),)
-        with fused_recipe_model_init(self._recipe()):
-            fc1_op = self._make_te_ops_grouped_linear_from_mcore_te_linear(
+            norm_seq = ops.Sequential()
+            norm_seq.append(
+                self._make_te_ops_norm_from_mcore_te_layernorm_linear(fc1, "linear_fc1")
+            )
+            self._norm_seq = (norm_seq,)
+        fused = ops.Sequential()
+        fused.append(
+            self._make_te_ops_grouped_linear_from_mcore_te_linear(
                 fc1, module_name="linear_fc1", rng_state_tracker_function=rng
             )
-            activation = self._grouped_te_activation.build()
-            # The row scales are always ones here; TE's fused kernel may then skip them.
-            activation._grouped_mlp_unit_activation_scale = True
-            fc2_op = self._make_te_ops_grouped_linear_from_mcore_te_linear(
+        )
+        activation = self._grouped_te_activation.build()
+        # The row scales are always ones here; TE's fused kernel may then skip them.
+        activation._grouped_mlp_unit_activation_scale = True
+        fused.append(activation)
+        fused.append(
+            self._make_te_ops_grouped_linear_from_mcore_te_linear(
                 fc2, module_name="linear_fc2", rng_state_tracker_function=rng
             )
-        return ops.Sequential(fc1_op, activation, fc2_op)
+        )
+        self._register_hooks_on_fused_impl(fused)
+        return fused
 
     def forward(self, hidden_states: torch.Tensor, per_token_scale=None, **kwargs):
         """Returns ``(output, None)`` like :meth:`MLP.forward` (the class has no biases).
@@ -454,7 +490,8 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         scales = torch.ones(rows, dtype=x.dtype, device=x.device)
         if self._norm_seq is not None:
             # The norm stays outside the recipe, as upstream: its output feeds the quantized GEMM.
-            x = self._norm_seq[0](x.to(self.linear_fc1.layer_norm_weight.dtype))
-        with fused_recipe_autocast(self._recipe()):
+            norm_weight = getattr(getattr(self, "linear_fc1", None), "layer_norm_weight", None)
+            x = self._norm_seq[0](x if norm_weight is None else x.to(norm_weight.dtype))
+        with fused_recipe_autocast(self._quantization_recipe()):
             out = fused(x, split_sizes, scales, split_sizes)
         return out.reshape(*shape[:-1], out.size(-1)), None

@@ -464,6 +464,45 @@ def test_grouped_construction_checks(fake_te, unquantized, monkeypatch):
         build(GROUPED, make_config("swiglu"))
 
 
+def test_grouped_asks_the_public_world_size_as_upstream_and_hands_over_to_tefusedmlp(
+    fake_te, unquantized, monkeypatch
+):
+    # With parallel_state's group, the tensor-parallel size is asked of the public function at
+    # each call, as upstream's class asks it; a patch of it there sends forward to TEFusedMLP's.
+    fused = build(GROUPED, make_config("swiglu"))
+    calls = []
+
+    def base_forward(self, hidden_states, **kwargs):
+        calls.append(kwargs)
+        return "TEFusedMLP.forward", None
+
+    monkeypatch.setattr(te_ext.TEFusedMLP, "forward", base_forward)
+    monkeypatch.setattr(te_ext, "get_tensor_model_parallel_world_size", lambda: 2)
+    x = torch.randn(3, HIDDEN, dtype=DTYPE)
+    assert fused(x, flag=True) == ("TEFusedMLP.forward", None)
+    assert calls == [{"flag": True}]
+    monkeypatch.setattr(te_ext, "get_tensor_model_parallel_world_size", lambda: 1)
+    out, bias = fused(x)
+    assert out.shape == x.shape and bias is None and len(calls) == 1
+
+
+def test_grouped_ops_are_made_under_the_recipe_and_hooked_once(fake_te, unquantized, monkeypatch):
+    fused = build(GROUPED, make_config("swiglu"))
+    hooked = []
+    original = type(fused)._register_hooks_on_fused_impl
+
+    def spy(self, ops, **kwargs):
+        hooked.append(ops)
+        return original(self, ops, **kwargs)
+
+    monkeypatch.setattr(type(fused), "_register_hooks_on_fused_impl", spy)
+    x = torch.randn(3, HIDDEN, dtype=DTYPE)
+    fused(x)
+    fused(x)
+    assert hooked == [fused._get_fused_impl()]
+    assert fused._recipe is None  # "none": made once, kept under upstream's attribute name
+
+
 def test_grouped_default_recipe_is_refused_at_the_first_forward_without_mxfp8(fake_te):
     # Upstream's default is MXFP8. Not having it is a property of the machine, not of the config:
     # the model builds (on a CPU, the meta device, any GPU) and the first forward refuses.

@@ -16,6 +16,7 @@ option's argument, process default and environment variable are checked like the
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -125,6 +126,32 @@ def test_views_the_consumer_saves_are_recomputed_as_views(consume):
     )
     assert torch.equal(out, out_ref)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
+def test_the_backward_frees_what_the_recipe_read_without_the_cycle_collector(in_place):
+    """After the backward nothing of the recipe is left: fc1's output, the bias and the token
+    weights go when the graph does, not when Python's cycle collector next runs (a cycle through
+    the hooks kept fc1's output alive past its backward, twice the output's size per layer)."""
+    spec = SPECS["swiglu_clamp"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
+    activation = _fused(spec, recompute_output=True, in_place_backward=in_place)
+    leaves = [t.clone().requires_grad_() for t in (x, bias, probs, weight)]
+    gc.collect()
+    gc.disable()
+    try:
+        fc1_out = leaves[0] * 1
+        bias_in, probs_in = leaves[1] * 1, leaves[2] * 1  # non-leaves: only the graph keeps them
+        y = activation(fc1_out, bias_in, probs_in)
+        with activation.fc2_saves_recipe(y, fc1_out, bias_in, probs_in):
+            out = y @ leaves[3]
+        refs = [weakref.ref(t) for t in (fc1_out, bias_in, probs_in, y)]
+        del fc1_out, bias_in, probs_in, y
+        out.backward(grad)
+        del out
+        assert [r() is None for r in refs] == [True] * 4
+    finally:
+        gc.enable()
 
 
 def test_retained_graph_second_backward_recomputes_again():
@@ -390,6 +417,27 @@ def test_layers_drop_fc2_input_and_give_the_same_gradients(
     assert made[0] == [] and len(made[1]) == 1 and made[1][0] == (2 if kind == "grouped" else 1)
     for a, b in zip(*got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "grouped"])
+def test_layers_leave_no_reference_cycle_behind(kind, layer_builder):
+    """A layer step with the option leaves Python's cycle collector nothing more to free than a
+    step without it: what the recipe holds goes with the graph."""
+    torch.manual_seed(3)
+    layer = layer_builder(kind)
+    hidden = torch.randn(6, 16) * 3 if kind == "grouped" else torch.randn(3, 2, 16) * 3
+    per_token_scale = torch.rand(hidden.shape[:-1]) if kind == "grouped" else None
+    left = {}
+    for enabled in (False, True, False, True):
+        with use_recompute_output(enabled):
+            gc.collect()
+            gc.disable()
+            try:
+                _layer_step(layer, kind, hidden, per_token_scale)
+            finally:
+                left[enabled] = gc.collect()
+                gc.enable()
+    assert left[True] == left[False], left
 
 
 def test_a_forward_hook_reading_fc2_input_sees_it_and_trains_the_same(layer_builder):
