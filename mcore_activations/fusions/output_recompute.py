@@ -15,7 +15,10 @@ anything holds it (a hook, an auxiliary loss, a logger), and then nothing is sav
 The recomputation gives the same bits (the same activation, on the same ``x``, bias and
 probabilities, through the same kernel backend as the forward's); if any of those was changed in
 place between the passes (an in-place backward that already ran, a reused buffer), the backward
-raises instead of computing from the changed values. fc2 needs no change, whichever linear it is.
+raises instead of computing from the changed values. So does a change of the output itself made
+in place after fc2 saved it, as torch would. A tensor fc2 saves that the recomputation would not
+reproduce (the output after an in-place change before fc2 saved it, say by a forward pre-hook, or
+a view of it in another dtype) is saved as it is. fc2 needs no change, whichever linear it is.
 
 It composes with the in-place backward (``in_place``): fc2's backward, which recomputes ``y``,
 runs before the activation's backward, which may write over ``x``.
@@ -121,10 +124,23 @@ def _fills_its_storage(t: torch.Tensor) -> bool:
 class _Source:
     """How to compute the output again, shared by every tensor fc2 saved on its storage."""
 
-    __slots__ = ("shape", "dtype", "device", "recompute", "inputs", "versions", "fresh")
+    __slots__ = (
+        "shape",
+        "dtype",
+        "device",
+        "output",
+        "version",
+        "recompute",
+        "inputs",
+        "versions",
+        "fresh",
+    )
 
     def __init__(self, output: torch.Tensor, recompute, inputs):
         self.shape, self.dtype, self.device = output.shape, output.dtype, output.device
+        # The output's values as the activation wrote them: its version now, and a weak
+        # reference through which a change made while it lives is seen.
+        self.output, self.version = weakref.ref(output), output._version
         self.recompute = recompute
         self.inputs = [t for t in inputs if t is not None]
         self.versions = [t._version for t in self.inputs]
@@ -134,6 +150,15 @@ class _Source:
         fresh = self.fresh() if self.fresh is not None else None
         if fresh is not None:
             return fresh  # fc2 saved more than one view of the output
+        output = self.output()
+        if output is not None and output._version != self.version:
+            # What fc2 saved was changed in place after it was saved; keeping the output, torch
+            # would refuse the backward the same way.
+            raise RuntimeError(
+                f"{OPTION}: the activation's output, which fc2 saved for its backward, was "
+                "modified in place after fc2's forward, so the saved values are gone. Leave it "
+                f"unchanged until the backward, or turn {OPTION} off ({ENV_VAR}=0)."
+            )
         if [t._version for t in self.inputs] != self.versions:
             raise RuntimeError(
                 f"{OPTION}: fc1's output, bias or token weights were modified in place after the "
@@ -195,14 +220,22 @@ class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
     """The hooks of :func:`recompute_when_saved`; ``recipes`` counts the tensors they replaced."""
 
     def __init__(self, source: _Source, output: torch.Tensor):
-        key = (output.untyped_storage().data_ptr(), output.device)
+        pointer = output.untyped_storage().data_ptr()
         # The pack hook must not refer to this object: the hooks hold it, and a cycle through it
         # would keep ``source`` (and with it fc1's output) alive after the backward until
         # Python's cycle collector ran, twice the output's size per layer.
         replaced = self._replaced = [0]
 
         def pack(t: torch.Tensor):
-            if t.device == key[1] and t.untyped_storage().data_ptr() == key[0]:
+            # Only what the recomputation reproduces: the output's own values (not changed in
+            # place since the activation wrote them, e.g. by a pre-hook of fc2's), seen in its
+            # own dtype. Anything else on the storage is saved as it is.
+            if (
+                t.device == source.device
+                and t.dtype == source.dtype
+                and t._version == source.version
+                and t.untyped_storage().data_ptr() == pointer
+            ):
                 replaced[0] += 1
                 return _Saved(source, t)
             return t

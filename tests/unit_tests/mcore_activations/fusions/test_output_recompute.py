@@ -154,6 +154,60 @@ def test_the_backward_frees_what_the_recipe_read_without_the_cycle_collector(in_
         gc.enable()
 
 
+class _SavesBytes(torch.autograd.Function):
+    """An fc2 stand-in that saves its input as a view in another dtype."""
+
+    @staticmethod
+    def forward(ctx, y, w):
+        ctx.save_for_backward(y.view(torch.uint8), w)
+        return y @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        y_bytes, w = ctx.saved_tensors
+        y = y_bytes.view(w.dtype)
+        return grad @ w.t(), y.t() @ grad
+
+
+def _change_before_saving(y, w):
+    y.clamp_(-0.01, 0.01)  # a forward pre-hook of fc2's clipping its input in place
+    return y @ w
+
+
+@pytest.mark.parametrize(
+    "consume",
+    [_SavesBytes.apply, _change_before_saving],
+    ids=["view in another dtype", "changed in place before fc2 saves it"],
+)
+def test_what_a_recomputation_would_not_reproduce_is_saved_as_it_is(consume):
+    spec = SPECS["swiglu_clamp"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.bfloat16, True, True, 4, 8, "cpu")
+    with _recipes_made() as made:
+        kept, out, grads = _step(
+            _fused(recompute_output=True), x, bias, probs, weight, grad, consume
+        )
+    _, out_ref, grads_ref = _step(_fused(), x, bias, probs, weight, grad, consume)
+    assert made == [0]  # no recipe: fc2 keeps what it saved
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+
+
+def test_the_output_changed_in_place_after_fc2_saved_it_raises():
+    spec = SPECS["swiglu_clamp"]
+    x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
+    w = weight.clone().requires_grad_()
+    leaf = x.clone().requires_grad_()
+    for enabled, message in ((False, "modified by an inplace operation"), (True, "fc2's forward")):
+        activation = _fused(recompute_output=enabled)
+        fc1_out = leaf * 1
+        y = activation(fc1_out, bias, probs)
+        with activation.fc2_saves_recipe(y, fc1_out, bias, probs):
+            out = y @ w
+        y.mul_(2)  # torch refuses the backward when fc2 keeps y; the recipe must as well
+        with pytest.raises(RuntimeError, match=message):
+            out.backward(grad)
+
+
 def test_retained_graph_second_backward_recomputes_again():
     spec = SPECS["swiglu_clamp"]
     x, bias, probs, weight, grad = _inputs(spec, torch.float32, True, True, 4, 8, "cpu")
@@ -454,6 +508,22 @@ def test_a_forward_hook_reading_fc2_input_sees_it_and_trains_the_same(layer_buil
         # The hook's reference reads the values of fc2's input whenever it likes.
         assert torch.equal(kept[-1], kept[0])
         ((out + bias).square().sum() + kept[-1].square().mean()).backward()
+        got.append([h.grad] + [p.grad.clone() for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+
+
+def test_a_pre_hook_changing_fc2_input_in_place_trains_the_same(layer_builder):
+    # fc2 then saves the changed values; a recomputation would give the activation's own.
+    layer = layer_builder("mlp")
+    hidden = torch.randn(3, 2, 16) * 3
+    layer.linear_fc2.register_forward_pre_hook(lambda m, args: args[0].clamp_(-0.01, 0.01))
+    got = []
+    for enabled in (False, True):
+        layer.zero_grad()
+        h = hidden.clone().requires_grad_()
+        with use_recompute_output(enabled):
+            out, bias = layer(h)
+        (out + bias).square().sum().backward()
         got.append([h.grad] + [p.grad.clone() for p in layer.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*got))
 
