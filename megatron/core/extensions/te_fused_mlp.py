@@ -443,8 +443,8 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         rng = self._get_te_ops_rng_state_tracker_function()
         ops = te_import.te.pytorch.ops
-        # The norm op is built before the recipe is asked for, so a normalization TE's ops lack
-        # is refused first; it holds no weight a recipe would quantize (fc1's is aliased).
+        # The norm runs apart from the recipe (see forward); it holds no weight a recipe would
+        # quantize (fc1's is aliased).
         self._norm_seq = None
         if _is_layer_norm_linear(fc1):
             norm_seq = ops.Sequential()
