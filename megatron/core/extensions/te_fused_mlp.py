@@ -38,7 +38,6 @@ from megatron.core.extensions.te_recipes import (
     make_fused_recipe,
     resolve_fused_recipe,
 )
-from megatron.core.parallel_state import get_tensor_model_parallel_group
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
 # TEFusedOpsMixin lives in te_fused_ops (the fused norm uses it too); importable here as before.
@@ -379,17 +378,7 @@ class TEFusedMLPWithGroupedLinear(TEFusedMLP):
         super()._register_hooks_on_fused_impl(fused, pre_hook_target=pre_hook_target)
 
     def _tensor_parallel(self) -> bool:
-        # A group of the module's own decides; with parallel_state's group (or none), the size is
-        # asked of the public get_tensor_model_parallel_world_size, as upstream's class asks it
-        # at every call, so a patch of it there decides here too.
-        group = self.__dict__.get("tp_group")
-        if group is None:
-            group = getattr(self.__dict__.get("_modules", {}).get("linear_fc1"), "tp_group", None)
-        if group is not None and group is not get_tensor_model_parallel_group(
-            check_initialized=False
-        ):
-            return tensor_parallel_context(group)[0] > 1
-        return tensor_parallel_context(None)[0] > 1
+        return self._get_te_ops_tensor_parallel_context()[0] > 1
 
     def _check_fused_linears(self) -> None:
         if self._tensor_parallel():

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from megatron.core.extensions import te_ops_adapters as adapters
+from megatron.core.parallel_state import get_tensor_model_parallel_group
 
 __all__ = ["TEFusedOpsMixin", "tensor_parallel_context"]
 
@@ -29,10 +30,12 @@ def _is_ddp_hook(hook: Callable) -> bool:
 def tensor_parallel_context(group) -> tuple[int, Any]:
     """``(tp_size, group or None)`` for ``group``, or for parallel_state's group when None.
 
-    parallel_state's size is asked through the public module, as upstream asks it, so a patch of
-    ``transformer_engine.get_tensor_model_parallel_world_size`` decides.
+    parallel_state's size (``group`` None or parallel_state's own group) is asked at each call
+    through the public module, as upstream asks it, so a patch of
+    ``transformer_engine.get_tensor_model_parallel_world_size`` decides; a group of the module's
+    own answers for itself.
     """
-    if group is not None:
+    if group is not None and group is not get_tensor_model_parallel_group(check_initialized=False):
         return adapters._get_te_ops_tensor_parallel_context(group)
     try:
         return adapters._get_te_ops_tensor_parallel_context(None)
