@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
-from mcore_activations.fusions import in_place, output_recompute
+from mcore_activations.fusions import fc2_chunks, in_place, output_recompute
 from mcore_activations.patch_env import ENV_VAR
 from mcore_activations.upstream_patch.entry_points import (
     FUSION_MODULES,
@@ -87,16 +87,19 @@ _lock = threading.Lock()
 _OPTIONS = {
     "in_place_backward": (in_place.check_option, in_place.set_in_place_backward),
     "recompute_output": (output_recompute.check_option, output_recompute.set_recompute_output),
+    "fc2_chunks": (fc2_chunks.check_option, fc2_chunks.set_fc2_chunks),
 }
 _state: dict[str, Any] = {"report": None, "patcher": None}
 
 
 def patch_megatron_core(
-    in_place_backward: Optional[bool] = None, recompute_output: Optional[bool] = None
+    in_place_backward: Optional[bool] = None,
+    recompute_output: Optional[bool] = None,
+    fc2_chunks: Optional[int] = None,
 ) -> PatchReport:
     """Patches the installed upstream megatron-core (idempotent); returns what it patched.
 
-    Both options set a process default (docs/performance.md, "Low-memory backward"): True or
+    The options set a process default (docs/performance.md, "Low-memory backward"): True or
     False sets it, also on a call that finds the patch in force; None (the default) keeps the
     one chosen by the environment or an earlier call (off unless set).
     :func:`unpatch_megatron_core` restores the defaults this call replaced.
@@ -109,17 +112,27 @@ def patch_megatron_core(
         recompute_output: ``MLP`` layers on the fused path free the activation's output once
             fc2 has run and recompute it before fc2's backward
             (``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT``).
+        fc2_chunks: ``MLP`` layers run the activation and fc2 on this many row blocks of fc1's
+            output, so that with both options above the backward holds one block's activation
+            output and gradient at a time (``MCORE_ACTIVATIONS_FC2_CHUNKS``; 1: off). Layers it
+            cannot serve (sequence-parallel fc2, FP8, either option off) are refused when built.
 
     Returns:
         The report of the patch in force: the same object on every call until
         :func:`unpatch_megatron_core`.
 
     Raises:
-        TypeError: ``in_place_backward`` or ``recompute_output`` is not True, False or None.
+        TypeError: ``in_place_backward`` or ``recompute_output`` is not True, False or None;
+            ``fc2_chunks`` is not a positive int or None.
+        ValueError: ``fc2_chunks`` is below 1.
         UnsupportedUpstreamError: The installed megatron-core is unknown or modified; nothing
             was patched.
     """
-    requested = {"in_place_backward": in_place_backward, "recompute_output": recompute_output}
+    requested = {
+        "in_place_backward": in_place_backward,
+        "recompute_output": recompute_output,
+        "fc2_chunks": fc2_chunks,
+    }
     for name, value in requested.items():
         _OPTIONS[name][0](value)
     with _lock:

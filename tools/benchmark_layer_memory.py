@@ -6,7 +6,12 @@ Usage (GPU, with megatron-core 0.19.2 and this package installed; TE and Liger-K
 
 Two layers, each built with upstream megatron-core's own classes and parallel linears:
 
-- ``dense``: ``MLP`` (fc1 -> SwiGLU -> fc2, no biases), input ``[seq, batch, hidden]``;
+- ``dense``: ``MLP`` (fc1 -> SwiGLU -> fc2, no biases) with upstream's local parallel linears,
+  input ``[seq, batch, hidden]``; the weight gradients go to ``.grad`` through autograd (each
+  linear's backward makes one, then adds it);
+- ``dense_te``: the same ``MLP`` with Transformer Engine's linears and
+  ``gradient_accumulation_fusion``, the weight gradients accumulated into each parameter's fp32
+  ``main_grad`` as under Megatron's DDP (no weight-gradient tensor is made), where TE imports;
 - ``experts``: routed experts with token weights (``TEGroupedMLP`` where Transformer Engine
   imports, else ``SequentialMLP``), input ``[tokens, hidden]`` split evenly over the experts,
   one router probability per token.
@@ -22,6 +27,8 @@ patch, reaches the next):
   ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT=1`` (fc2 saves a recipe of its input, recomputed in
   fc2's backward), without and with the in-place backward; dense only (upstream's
   ``TEGroupedMLP`` keeps its own forward under the patch);
+- ``patched_chunked``: patched, with both memory options and ``MCORE_ACTIVATIONS_FC2_CHUNKS``
+  set to ``--fc2-chunks`` (the activation and fc2 run on row blocks of fc1's output); dense only;
 - ``te_fused_mlp``: upstream's ``TEFusedMLP`` (Transformer Engine's op fuser), dense only, where TE
   imports;
 - ``liger`` / ``liger_inplace``: Liger-Kernel's Megatron SwiGLU (``apply_liger_kernel_to_megatron(
@@ -61,20 +68,24 @@ CANDIDATES = (
     "patched_inplace",
     "patched_recompute",
     "patched_inplace_recompute",
+    "patched_chunked",
     "te_fused_mlp",
     "liger",
     "liger_inplace",
 )
-LAYERS = ("dense", "experts")
+LAYERS = ("dense", "dense_te", "experts")
 DENSE_ONLY = {
     "te_fused_mlp",
     "liger",
     "liger_inplace",
     "patched_recompute",
     "patched_inplace_recompute",
+    "patched_chunked",
 }
+NOT_DENSE_TE = {"te_fused_mlp"}  # upstream's TEFusedMLP is a layer of its own (the dense rows)
 IN_PLACE_ENV = "MCORE_ACTIVATIONS_IN_PLACE_BACKWARD"
 RECOMPUTE_ENV = "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT"
+CHUNKS_ENV = "MCORE_ACTIVATIONS_FC2_CHUNKS"
 MIB = 2**20
 
 # Full size: a Llama-3-8B-like dense MLP (8192 tokens) and eight 2048-wide experts over 32768
@@ -127,6 +138,7 @@ def _config(layer: str, shape: dict, dtype, device: str, clamp):
         params_dtype=dtype,
         bf16=str(dtype) == "torch.bfloat16",
         use_cpu_initialization=device == "cpu",
+        gradient_accumulation_fusion=layer == "dense_te",
     )
     if layer == "experts":
         fields |= dict(
@@ -144,6 +156,13 @@ def _build(candidate: str, layer: str, config, device: str):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
 
     local = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if layer == "dense_te":
+        from megatron.core.extensions import transformer_engine as te_ext
+
+        te_linears = MLPSubmodules(
+            linear_fc1=te_ext.TEColumnParallelLinear, linear_fc2=te_ext.TERowParallelLinear
+        )
+        return MLP(config, te_linears).to(device)
     if layer == "dense":
         if candidate == "te_fused_mlp":
             from megatron.core.extensions import transformer_engine as te_ext
@@ -177,7 +196,8 @@ def _prepare(candidate: str, layer: str, device: str):
         return (
             "megatron-core is not importable here; pass --python with the interpreter that has it"
         )
-    if candidate == "te_fused_mlp" and not (device == "cuda" and _have("transformer_engine")):
+    needs_te = candidate == "te_fused_mlp" or layer == "dense_te"
+    if needs_te and not (device == "cuda" and _have("transformer_engine")):
         return "Transformer Engine is not importable here"
     if candidate.startswith("liger") and not (device == "cuda" and _have("liger_kernel")):
         return "liger_kernel is not importable here (or no GPU)"
@@ -219,7 +239,7 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    if layer == "dense":
+    if layer != "experts":
         x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], generator=gen)
     else:
         x = torch.randn(shape["tokens"], shape["hidden"], generator=gen)
@@ -233,7 +253,7 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
         counts = torch.tensor([share + (i < rest) for i in range(shape["experts"])])
 
     def forward():
-        out, _ = module(x) if layer == "dense" else module(x, counts, probs)
+        out, _ = module(x, counts, probs) if layer == "experts" else module(x)
         return out
 
     def step():
@@ -264,8 +284,14 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
     if reason is not None:
         return _skip(reason)
     setup_single_rank(device)
-    module = _build(candidate, layer, _config(layer, shape, dtype, device, args.clamp), device)
+    config = _config(layer, shape, dtype, device, args.clamp)
+    module = _build(candidate, layer, config, device)
     _fill_parameters(module)
+    if config.gradient_accumulation_fusion:
+        # What Megatron's DDP gives each parameter: an fp32 buffer the linears add their weight
+        # gradient to (allocated before the measured step, like ``.grad`` in the other layers).
+        for p in module.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
     forward, step, reset, x, grad = _step_fn(layer, module, shape, dtype, device)
     for _ in range(args.warmup):
         reset()
@@ -303,15 +329,16 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
             step()
             times.append((time.perf_counter() - began) * 1e3)
     row["ms"] = statistics.median(times)
-    from mcore_activations.fusions import in_place, output_recompute
+    from mcore_activations.fusions import fc2_chunks, in_place, output_recompute
 
     row["in_place_backward"] = in_place.in_place_backward_enabled()
     row["recompute_output"] = output_recompute.recompute_output_enabled()
+    row["fc2_chunks"] = fc2_chunks.fc2_chunks()
     return row
 
 
 # ----------------------------------------------------------------------------- the parent
-def _child_env(candidate: str) -> dict:
+def _child_env(candidate: str, fc2_chunks: int) -> dict:
     env = dict(os.environ)
     # The checkout's mcore_activations, without its megatron/ (the fork) shadowing upstream's:
     # a folder holding only a link to the package goes first on the child's path.
@@ -320,6 +347,10 @@ def _child_env(candidate: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(link_dir), env.get("PYTHONPATH")]))
     env[IN_PLACE_ENV] = "1" if candidate.startswith("patched_inplace") else "0"
     env[RECOMPUTE_ENV] = "1" if candidate.endswith("_recompute") else "0"
+    env[CHUNKS_ENV] = "1"
+    if candidate == "patched_chunked":
+        env[IN_PLACE_ENV] = env[RECOMPUTE_ENV] = "1"
+        env[CHUNKS_ENV] = str(fc2_chunks)
     env.pop("MCORE_ACTIVATIONS_PATCH", None)  # each candidate patches (or not) itself
     return env
 
@@ -328,7 +359,9 @@ def run_candidate(python: str, candidate: str, layer: str, args) -> dict:
     """Runs one candidate in a fresh interpreter; its row (an error row if the child failed)."""
     command = [python, str(Path(__file__).resolve()), "--child", candidate, "--layer", layer]
     command += _forwarded(args)
-    done = subprocess.run(command, env=_child_env(candidate), capture_output=True, text=True)
+    done = subprocess.run(
+        command, env=_child_env(candidate, args.fc2_chunks), capture_output=True, text=True
+    )
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -340,6 +373,7 @@ def run_candidate(python: str, candidate: str, layer: str, args) -> dict:
 
 def _forwarded(args) -> list[str]:
     out = ["--dtype", args.dtype, "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    out += ["--fc2-chunks", str(args.fc2_chunks)]
     out += ["--shape", json.dumps(args.shape)]
     if args.clamp is not None:
         out += ["--clamp", str(args.clamp)]
@@ -381,6 +415,9 @@ def parse(argv=None):
     parser.add_argument(
         "--clamp", type=float, help="the experts' DeepSeek-V4 SwiGLU clamp (none by default)"
     )
+    parser.add_argument(
+        "--fc2-chunks", type=int, default=4, help="row blocks of the patched_chunked candidate"
+    )
     parser.add_argument("--shape", type=json.loads, help="JSON overriding the default shapes")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one step")
     parser.add_argument(
@@ -390,6 +427,8 @@ def parse(argv=None):
     parser.add_argument("--child", choices=CANDIDATES, help=argparse.SUPPRESS)
     parser.add_argument("--layer", choices=LAYERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.fc2_chunks < 1:
+        parser.error(f"--fc2-chunks must be >= 1, got {args.fc2_chunks}")
     if args.iters < 1 or args.warmup < 0:
         parser.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters}, {args.warmup}")
     defaults = DRY if args.dry_run else FULL
@@ -411,9 +450,11 @@ def main(argv=None):
     rows = []
     for layer in args.layers:
         for candidate in args.candidates:
+            row = {"candidate": candidate, "layer": layer}
             if layer == "experts" and candidate in DENSE_ONLY:
-                row = {"candidate": candidate, "layer": layer}
                 rows.append(row | _skip("dense only (it does not cover routed experts)"))
+            elif layer == "dense_te" and candidate in NOT_DENSE_TE:
+                rows.append(row | _skip("a layer of its own (see the dense rows)"))
             else:
                 rows.append(run_candidate(args.python, candidate, layer, args))
             print(markdown(rows[-1:]).splitlines()[-1], flush=True)
@@ -421,6 +462,7 @@ def main(argv=None):
     if args.json:
         setup = {"shape": args.shape, "dtype": args.dtype, "iters": args.iters}
         setup |= {"clamp": args.clamp, "python": args.python, "dry_run": args.dry_run}
+        setup |= {"fc2_chunks": args.fc2_chunks}
         args.json.write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
 
 

@@ -15,6 +15,7 @@ import torch
 
 from mcore_activations import activation_path as paths
 from mcore_activations.activation_spec import ActivationKind
+from mcore_activations.fusions import fc2_chunks
 from mcore_activations.upstream_patch.patcher import (
     Patcher,
     is_te_instance,
@@ -60,6 +61,8 @@ def attach_mlp_activation(layer) -> None:
         fp8_input_store=bool(layer.config.activation_func_fp8_input_store),
         offload_config=layer.config,
     )
+    is_expert = bool(getattr(getattr(layer, "linear_fc2", None), "is_expert", False))
+    fc2_chunks.check_layer(layer.config, owner, layer._mcore_activation, is_expert=is_expert)
 
 
 def layer_activation(layer) -> paths.LayerActivation:
@@ -96,14 +99,12 @@ def _make_mlp_forward(mlp_module):
         _nvtx(mlp_module, "push", "activation")
         activation = layer_activation(self)
         probs = paths.per_token_probs(per_token_scale, fc1_output)
-        intermediate = activation(fc1_output, bias, probs, func=self.activation_func)
+        # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
+        # with the output-recompute option fc2 saves a recipe of its input, not the input.
+        output, output_bias = fc2_chunks.activation_and_fc2(
+            activation, self.linear_fc2, fc1_output, bias, probs, self.activation_func
+        )
         _nvtx(mlp_module, "pop", "activation")
-        _nvtx(mlp_module, "push", "linear_fc2")
-        # With the output-recompute option fc2 saves a recipe of its input, not the input.
-        with activation.fc2_saves_recipe(intermediate, fc1_output, bias, probs):
-            output, output_bias = self.linear_fc2(intermediate)
-        del intermediate
-        _nvtx(mlp_module, "pop", "linear_fc2")
         if per_token_scale is not None and output_bias is not None:
             output = paths.add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None

@@ -28,6 +28,7 @@ from mcore_activations.activation_path import (  # noqa: F401 - path names, as b
     select_layer_activation,
 )
 from mcore_activations.activation_spec import ActivationSpec
+from mcore_activations.fusions import fc2_chunks
 from megatron.core.transformer.mlp_interfaces import (  # noqa: F401 - upstream's import path
     LinearFc1Builder,
     LinearFc1Interface,
@@ -192,6 +193,9 @@ class MLP(MegatronModule):
             name=_child_name(name, "linear_fc2"),
             pg_collection=pg_collection,
         )
+        fc2_chunks.check_layer(
+            config, type(self).__name__, self.layer_activation, is_expert=is_expert
+        )
 
     def forward(
         self,
@@ -216,11 +220,11 @@ class MLP(MegatronModule):
         fc1_output, fc1_bias = self.linear_fc1(hidden_states)
         probs = per_token_probs(per_token_scale, fc1_output)
         activation = self._current_activation()
-        intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
-        # With the output-recompute option fc2 saves a recipe of its input, not the input.
-        with activation.fc2_saves_recipe(intermediate, fc1_output, fc1_bias, probs):
-            output, output_bias = self.linear_fc2(intermediate)
-        del intermediate
+        # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
+        # with the output-recompute option fc2 saves a recipe of its input, not the input.
+        output, output_bias = fc2_chunks.activation_and_fc2(
+            activation, self.linear_fc2, fc1_output, fc1_bias, probs, self.activation_func
+        )
 
         if per_token_scale is not None and output_bias is not None:
             # Every token's contribution, bias included, is weighted by its router probability.
