@@ -4,27 +4,29 @@ With the in-place backward (``in_place``) and the output recompute (``output_rec
 MLP keeps only fc1's output ``x`` between the passes, yet its backward still peaks inside fc2's
 backward: fc2 needs the whole recomputed activation output ``y`` for its weight gradient and
 makes the whole ``dy`` for the activation's backward, both ``[tokens, ffn]``, while ``x`` is
-alive. With this option the layer splits ``x`` into ``chunks`` blocks of rows and runs the
-activation and fc2 once per block, so the backward goes block by block (fc2's backward for a
+alive. With this option the layer splits ``x`` into ``chunks`` blocks of rows (fewer where a
+block would be shorter than ``MIN_ROWS_PER_CHUNK``) and runs the activation and fc2 once per
+block, so the backward goes block by block (fc2's backward for a
 block, then the activation's, which writes the block's input gradient over the block of ``x``):
 one block's ``y`` and ``dy`` exist at a time instead of the whole. The blocks are disjoint parts
 of ``x``'s memory, so the input gradient of ``x`` is ``x``'s own buffer once every block has
 written its part, and is handed to fc1 without a copy. docs/performance.md ("Low-memory
 backward") has the measured trade.
 
-What changes for the caller: fc2 is called ``chunks`` times per forward (its hooks run once per
-block; a tensor-parallel fc2 reduces each block's output), the outputs are concatenated, and
-fc2's weight gradient is the sum of the blocks' (fp32 accumulation order differs from one GEMM,
-as with gradient accumulation over micro-batches). The forward's values are the same: every
-output row is one row of fc2's GEMM either way.
+What changes for the caller: fc2 is called once per block (its hooks run once per block; a
+tensor-parallel fc2 reduces each block's output), the outputs are concatenated, and the weight
+gradient of fc2 and the bias gradient of fc1 are sums over the blocks, added in the gradient's
+dtype (into the fp32 ``main_grad`` with ``gradient_accumulation_fusion``), as with gradient
+accumulation over micro-batches. Values match the one-block layer to the dtype's rounding, not
+bit for bit: a GEMM over fewer rows may sum in another order.
 
 Refused at construction (the layer would compute something else, or the blocks would be
 unsafe): a sequence-parallel fc2 (it scatters each block's rows over the ranks, and the
 concatenation would interleave the shards), FP8 / FP4 (the quantization scales would come from
 each block), ``tp_comm_overlap`` (its buffers are sized for the whole input), a delayed weight
 gradient, and a layer without both memory options on and the fused kernels (the blocks would
-save nothing). At a call where either option is off, where the activation runs out of place, or
-where ``x`` is not one contiguous block, the layer runs as without the option.
+save nothing). At a call where either option is off, no gradient is recorded, ``torch.compile``
+is tracing or ``x`` is not contiguous, the layer runs in one piece, as without the option.
 
 The option is off by default (1 block), as upstream behaves. Where it comes from, first match
 wins: :func:`set_fc2_chunks` (or ``patch_megatron_core(fc2_chunks=...)``), then the environment
@@ -152,15 +154,22 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> N
     """
     if _default <= 1:
         return
+    from mcore_activations import activation_path
     from mcore_activations.fusions import in_place, output_recompute
 
     found = config_conflicts(config, is_expert=is_expert)
     if not activation.recomputes_fused_output():
-        found.append(
-            f"the activation on the {activation.path!r} path with fp8_input_store or CPU "
-            "offloading (only the fused kernels, saving fc1's output as it is, write their input "
-            "gradient over it block by block)"
-        )
+        # Only the fused kernels, saving fc1's output as it is, write their input gradient over
+        # it block by block.
+        if activation.fp8_input_store:
+            found.append("activation_func_fp8_input_store=True (the blocks' input is an FP8 copy)")
+        elif activation.path == activation_path.FUSED_KERNEL_PATH:
+            found.append("CPU offloading of the activation's input (the offload handler owns it)")
+        else:
+            found.append(
+                f"the activation on the {activation.path!r} path (only the fused kernels, "
+                "bias_activation_fusion=True, write their input gradient over fc1's output)"
+            )
     if not in_place.resolve(getattr(activation, "in_place_backward", None)):
         found.append(f"{in_place.OPTION} off ({in_place.ENV_VAR}=1 turns it on)")
     if not output_recompute.resolve(getattr(activation, "recompute_output", None)):
