@@ -154,7 +154,6 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> N
     """
     if _default <= 1:
         return
-    from mcore_activations import activation_path
     from mcore_activations.fusions import in_place, output_recompute
 
     found = config_conflicts(config, is_expert=is_expert)
@@ -163,7 +162,7 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> N
         # it block by block.
         if activation.fp8_input_store:
             found.append("activation_func_fp8_input_store=True (the blocks' input is an FP8 copy)")
-        elif activation.path == activation_path.FUSED_KERNEL_PATH:
+        elif activation.offload_input():
             found.append("CPU offloading of the activation's input (the offload handler owns it)")
         else:
             found.append(
