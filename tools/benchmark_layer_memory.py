@@ -416,7 +416,7 @@ def parse(argv=None):
         "--clamp", type=float, help="the experts' DeepSeek-V4 SwiGLU clamp (none by default)"
     )
     parser.add_argument(
-        "--fc2-chunks", type=int, default=4, help="row blocks of the patched_chunked candidate"
+        "--fc2-chunks", type=int, default=2, help="row blocks of the patched_chunked candidate"
     )
     parser.add_argument("--shape", type=json.loads, help="JSON overriding the default shapes")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, one step")

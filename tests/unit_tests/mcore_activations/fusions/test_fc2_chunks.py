@@ -279,6 +279,7 @@ def test_blocks_lower_the_backward_peak(build_mlp, monkeypatch):
             ffn_hidden_size=ffn,
             add_bias_linear=False,
             bf16=True,
+            use_cpu_initialization=True,
         ).cuda()
         monkeypatch.setattr(fc2_chunks, "_default", n)
         x = torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
