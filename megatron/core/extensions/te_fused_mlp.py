@@ -108,6 +108,10 @@ class TEFusedMLP(TEFusedOpsMixin, MLP):
         self._setup_fused_activation()
         self._check_fused_linears()
 
+    def _check_fc2_chunks(self, is_expert: bool) -> None:
+        # The op chain runs fc2 once on the whole input: the fc2-chunks option does not reach it.
+        return None
+
     def _setup_fused_activation(self) -> None:
         """Lowers the activation once, at construction; the ops are built from the result."""
         self._te_activation: Optional[TEActivationLowering] = plan_te_activation(

@@ -193,9 +193,7 @@ class MLP(MegatronModule):
             name=_child_name(name, "linear_fc2"),
             pg_collection=pg_collection,
         )
-        fc2_chunks.check_layer(
-            config, type(self).__name__, self.layer_activation, is_expert=is_expert
-        )
+        self._check_fc2_chunks(is_expert)
 
     def forward(
         self,
@@ -231,6 +229,13 @@ class MLP(MegatronModule):
             output = add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None
         return output, output_bias
+
+    def _check_fc2_chunks(self, is_expert: bool) -> None:
+        """Refuses, at construction, a layer whose forward cannot run fc2 on row blocks while the
+        fc2-chunks option is on (``mcore_activations.fusions.fc2_chunks``)."""
+        fc2_chunks.check_layer(
+            self.config, type(self).__name__, self.layer_activation, is_expert=is_expert
+        )
 
     def _activate(
         self,

@@ -657,3 +657,18 @@ def test_make_fused_recipe(fake_te):
     assert te_ext.make_fused_recipe("none") is None
     assert te_ext.make_fused_recipe("mxfp8").kind == "mxfp8"
     assert te_ext.make_fused_recipe("nvfp4").kind == "nvfp4"
+
+
+def test_te_fused_mlp_is_not_refused_by_the_fc2_chunks_option(fake_te, monkeypatch):
+    """The op chain runs fc2 once on the whole input: the option, which an ``MLP`` on the same
+    config (unfused path) refuses, does not reach it."""
+    from mcore_activations.fusions import fc2_chunks
+    from mcore_activations.fusions.in_place import use_in_place_backward
+    from mcore_activations.fusions.output_recompute import use_recompute_output
+
+    config = make_config("swiglu", bias_activation_fusion=False)
+    monkeypatch.setattr(fc2_chunks, "_default", 2)
+    with use_in_place_backward(True), use_recompute_output(True):
+        with pytest.raises(ValueError, match="fc2_chunks=2"):
+            build(MLP, config)
+        build(te_ext.TEFusedMLP, config)
