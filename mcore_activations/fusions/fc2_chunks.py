@@ -195,37 +195,41 @@ class _RowBlocks(torch.autograd.Function):
 
     The blocks are not autograd views of ``x``: each has its own version counter, so the in-place
     backward of one block (which bumps its counter) does not invalidate what the other blocks'
-    nodes saved of theirs. ``x``'s own counter is bumped here, in the backward, when any block's
-    gradient was written over ``x``: a node that saved ``x`` itself and runs later refuses to read
-    the gradient as its input, as with the one-block in-place backward.
+    nodes saved of theirs. Each block is marked a part of ``x`` (``in_place.mark_part_of``): its
+    in-place backward bumps ``x``'s counter at the write, so a node that saved ``x`` itself and
+    runs after that write (a forward hook's term, say) refuses to read the gradient as its input,
+    as with the one-block in-place backward. ``x`` is kept on ``ctx``, not saved: its counter
+    moves during the backward by design.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: list[int]):
-        ctx.save_for_backward(x)
-        ctx.counts = counts
+        from mcore_activations.fusions import in_place
+
+        ctx.x, ctx.counts = x, counts
         storage, stride = x.untyped_storage(), x.stride()
         blocks, offset = [], x.storage_offset()
         for rows in counts:
             block = x.new_empty(0).set_(storage, offset, (rows, *x.shape[1:]), stride)
+            in_place.mark_part_of(block, x)
             blocks.append(block)
             offset += rows * stride[0]
         return tuple(blocks)
 
     @staticmethod
     def backward(ctx, *grads):
-        (x,) = ctx.saved_tensors
+        x = ctx.x
         pointer, offset = x.untyped_storage().data_ptr(), x.storage_offset()
-        written, in_x = True, False
+        written = True
         for grad, rows in zip(grads, ctx.counts):
-            on_x = grad is not None and grad.untyped_storage().data_ptr() == pointer
-            in_x = in_x or on_x
             written = (
-                written and on_x and grad.storage_offset() == offset and grad.stride() == x.stride()
+                written
+                and grad is not None
+                and grad.untyped_storage().data_ptr() == pointer
+                and grad.storage_offset() == offset
+                and grad.stride() == x.stride()
             )
             offset += rows * x.stride(0)
-        if in_x:
-            torch.autograd.graph.increment_version(x)
         if written:
             return x.detach(), None  # every block's gradient is in place: x's buffer is dx
         parts = [

@@ -343,6 +343,8 @@ def saved_backward(ctx, grad):
         x = x if x.is_contiguous() else x.contiguous()
         dx, dbias, dprobs = run_backward_in_place(ctx.variant, grad2d, x, bias, probs, ctx.params)
         ctx.in_place_ran = ctx.in_place == _OVER_INPUT
+        if ctx.in_place_ran:
+            in_place.note_written(stored)
     else:
         dx, dbias, dprobs = run_backward(ctx.variant, grad2d, x, bias, probs, ctx.params)
     # Views only where the caller's shapes were not already the kernels' 2-D ones: each costs

@@ -256,6 +256,29 @@ def check_forward(x: torch.Tensor, cpu_offload_input: bool) -> None:
     root._mcore_in_place_backward = True
 
 
+# A part of a larger buffer with a version counter of its own (fusions.fc2_chunks' row blocks).
+_WHOLE = "_mcore_in_place_whole"
+
+
+def mark_part_of(part: torch.Tensor, whole: torch.Tensor) -> None:
+    """Declares ``part`` a tensor on ``whole``'s memory with a version counter of its own.
+
+    An in-place backward that writes over ``part`` then bumps ``whole``'s counter too, at the
+    write: a node that saved ``whole`` and runs after it refuses to read the overwritten values.
+    """
+    setattr(part, _WHOLE, whole)
+
+
+def note_written(x: torch.Tensor) -> None:
+    """After an in-place backward wrote over ``x`` (a part, or a view of one): bumps the counter
+    of the buffer the part belongs to."""
+    whole = getattr(x, _WHOLE, None)
+    if whole is None and x._base is not None:
+        whole = getattr(x._base, _WHOLE, None)
+    if whole is not None:
+        torch.autograd.graph.increment_version(whole)
+
+
 def check_backward(already_ran: bool) -> None:
     """Refuses an in-place backward that runs a second time or inside a CUDA graph capture.
 

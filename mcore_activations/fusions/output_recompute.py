@@ -238,7 +238,10 @@ class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
             ):
                 replaced[0] += 1
                 return _Saved(source, t)
-            return t
+            # Autograd checks the version of what it saves itself, not of what hooks hand back:
+            # the check is kept here, so a tensor fc2 (or a hook of fc2's) saved and that is
+            # changed in place before the backward still raises instead of being read.
+            return _Kept(t)
 
         super().__init__(pack, _unpack)
 
@@ -247,7 +250,30 @@ class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
         return self._replaced[0]
 
 
+class _Kept:
+    """A tensor fc2 saved as it is, with its version then, checked at unpack as autograd would."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, t._version
+
+    def get(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{t.type()} {list(t.shape)}] is at version {t._version}; "
+                f"expected version {self.version} instead (saved during fc2's forward under "
+                f"{OPTION}; an in-place backward of a block of fc1's output wrote over it, or "
+                "your code changed it after the forward)."
+            )
+        return t
+
+
 def _unpack(saved):
+    if isinstance(saved, _Kept):
+        return saved.get()
     if not isinstance(saved, _Saved):
         return saved
     fresh = saved.source.materialize()

@@ -144,6 +144,23 @@ def test_a_later_reader_of_fc1_output_refuses_the_overwritten_values(build_mlp, 
             (out.sum() + extra[0]).backward()
 
 
+def test_a_reader_of_fc1_output_inside_the_blocks_refuses_the_overwritten_values(build_mlp, chunks):
+    """A term fc2's forward hook computes from the whole of fc1's output, once per block, runs
+    its backward after later blocks wrote their gradients over their rows: it must raise at the
+    first such read, not compute with the gradient as its input."""
+    layer = build_mlp()
+    chunks(3)
+    seen = {}
+    layer.linear_fc1.register_forward_hook(lambda m, a, out: seen.update(x=out[0]))
+    layer.linear_fc2.register_forward_hook(
+        lambda m, a, out: (out[0] + seen["x"].square().mean(), out[1])
+    )
+    with _Options():
+        out, _ = layer(torch.randn(7, 2, 16).requires_grad_())
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 def test_a_second_backward_is_refused(build_mlp, chunks):
     layer = build_mlp()
     chunks(2)

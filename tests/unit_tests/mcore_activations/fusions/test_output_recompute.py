@@ -642,3 +642,20 @@ def test_recipe_lowers_the_memory_held_and_not_the_peak(name, in_place):
     # One [rows, ffn] bf16 output less, to the allocator's rounding.
     assert abs(held[False] - held[True] - rows * ffn * 2) <= 4096, held
     assert peak[True] <= peak[False], peak
+
+
+def test_what_fc2_saves_as_it_is_keeps_autograds_version_check():
+    """The hooks hand back the tensors they do not replace; autograd does not check those, so
+    the hooks do: fc2's weight changed in place before the backward raises, as without them."""
+    spec = SPECS["swiglu_clamp"]
+    x, _, _, weight, grad = _inputs(spec, torch.float32, False, False, 6, 4, "cpu")
+    activation = _fused(spec, recompute_output=True)
+    w = weight.clone().requires_grad_()
+    fc1_out = x.clone().requires_grad_() * 1
+    y = activation(fc1_out)
+    with activation.fc2_saves_recipe(y, fc1_out):
+        out = y @ w
+    with torch.no_grad():
+        w.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward(grad)
