@@ -138,8 +138,13 @@ def config_conflicts(config, *, is_expert: bool = False) -> list[str]:
     return found
 
 
-def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> None:
+def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> tuple[str, ...]:
     """Refuses, at construction, a layer that cannot run on row blocks while the option is on.
+
+    Returns:
+        The config's conflicts (:func:`config_conflicts`) whatever the option is now: the layer
+        keeps them and passes them to :func:`activation_and_fc2`, which refuses blocks at a call
+        when the option was turned on after the layer was built.
 
     Args:
         config: The layer's config.
@@ -152,11 +157,12 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> N
             path conflicts with it, or a memory option it needs is off; the message names them
             and what to change.
     """
+    conflicts = tuple(config_conflicts(config, is_expert=is_expert))
     if _default <= 1:
-        return
+        return conflicts
     from mcore_activations.fusions import in_place, output_recompute
 
-    found = config_conflicts(config, is_expert=is_expert)
+    found = list(conflicts)
     if not activation.recomputes_fused_output():
         # Only the fused kernels, saving fc1's output as it is, write their input gradient over
         # it block by block.
@@ -179,6 +185,7 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> N
             f"blocks of fc1's output, which does not work here: {'; '.join(found)}. Set "
             f"{OPTION} to 1 ({ENV_VAR}=1 or set_fc2_chunks(1)), or change those settings."
         )
+    return conflicts
 
 
 # ------------------------------------------------------------------ the blocks
@@ -255,7 +262,7 @@ def _can_split(x: torch.Tensor, activation) -> bool:
     )
 
 
-def activation_and_fc2(activation, fc2, x, bias, probs, func):
+def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owner="MLP"):
     """fc2(activation(x)) with the option's row blocks, or in one piece when they cannot help.
 
     Args:
@@ -265,11 +272,22 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func):
         bias: fc1's unadded bias, or None.
         probs: Per-row weights shaped like ``x`` with a last dimension of 1, or None.
         func: The layer's ``activation_func``, passed on to ``activation``.
+        conflicts: What :func:`check_layer` returned for the layer.
+        owner: The layer's class name, for the message.
 
     Returns:
         ``(output, output_bias)`` as fc2 returns them, the blocks' outputs concatenated.
+
+    Raises:
+        ValueError: the option was turned on after a layer with ``conflicts`` was built.
     """
     counts = row_counts(x.shape[0], _default) if _can_split(x, activation) else [x.shape[0]]
+    if len(counts) > 1 and conflicts:
+        raise ValueError(
+            f"{owner}: {OPTION}={_default} was set after this layer was built, and its config "
+            f"cannot run on row blocks: {'; '.join(conflicts)}. Set {OPTION} to 1 (or "
+            "set_fc2_chunks(1)) while it runs, or change those settings."
+        )
     if len(counts) == 1:
         y = activation(x, bias, probs, func=func)
         # With the output-recompute option fc2 saves a recipe of its input, not the input.

@@ -62,7 +62,9 @@ def attach_mlp_activation(layer) -> None:
         offload_config=layer.config,
     )
     is_expert = bool(getattr(getattr(layer, "linear_fc2", None), "is_expert", False))
-    fc2_chunks.check_layer(layer.config, owner, layer._mcore_activation, is_expert=is_expert)
+    layer._mcore_fc2_chunks_conflicts = fc2_chunks.check_layer(
+        layer.config, owner, layer._mcore_activation, is_expert=is_expert
+    )
 
 
 def layer_activation(layer) -> paths.LayerActivation:
@@ -102,7 +104,14 @@ def _make_mlp_forward(mlp_module):
         # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
         # with the output-recompute option fc2 saves a recipe of its input, not the input.
         output, output_bias = fc2_chunks.activation_and_fc2(
-            activation, self.linear_fc2, fc1_output, bias, probs, self.activation_func
+            activation,
+            self.linear_fc2,
+            fc1_output,
+            bias,
+            probs,
+            self.activation_func,
+            conflicts=getattr(self, "_mcore_fc2_chunks_conflicts", ()),
+            owner=type(self).__name__,
         )
         _nvtx(mlp_module, "pop", "activation")
         if per_token_scale is not None and output_bias is not None:

@@ -221,7 +221,14 @@ class MLP(MegatronModule):
         # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
         # with the output-recompute option fc2 saves a recipe of its input, not the input.
         output, output_bias = fc2_chunks.activation_and_fc2(
-            activation, self.linear_fc2, fc1_output, fc1_bias, probs, self.activation_func
+            activation,
+            self.linear_fc2,
+            fc1_output,
+            fc1_bias,
+            probs,
+            self.activation_func,
+            conflicts=getattr(self, "_fc2_chunks_conflicts", ()),
+            owner=type(self).__name__,
         )
 
         if per_token_scale is not None and output_bias is not None:
@@ -232,8 +239,9 @@ class MLP(MegatronModule):
 
     def _check_fc2_chunks(self, is_expert: bool) -> None:
         """Refuses, at construction, a layer whose forward cannot run fc2 on row blocks while the
-        fc2-chunks option is on (``mcore_activations.fusions.fc2_chunks``)."""
-        fc2_chunks.check_layer(
+        fc2-chunks option is on (``mcore_activations.fusions.fc2_chunks``); keeps the config's
+        conflicts for a forward after the option was turned on."""
+        self._fc2_chunks_conflicts = fc2_chunks.check_layer(
             self.config, type(self).__name__, self.layer_activation, is_expert=is_expert
         )
 

@@ -216,6 +216,14 @@ def test_what_cannot_run_on_blocks_is_refused_when_built(overrides, named, build
         build_mlp(**overrides)
 
 
+def test_the_option_turned_on_after_construction_is_refused_at_the_call(build_mlp, chunks):
+    with _Options():
+        layer = build_mlp(delay_wgrad_compute=True)  # the option is off: built
+        chunks(3)
+        with pytest.raises(ValueError, match="set after this layer was built.*delay_wgrad"):
+            layer(torch.randn(7, 2, 16).requires_grad_())
+
+
 @pytest.mark.parametrize("off", ["in_place_backward", "recompute_output"])
 def test_a_memory_option_off_is_refused_when_built(off, build_mlp, chunks):
     chunks(2)
