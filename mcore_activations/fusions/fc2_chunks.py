@@ -26,7 +26,9 @@ concatenation would interleave the shards), FP8 / FP4 (the quantization scales w
 each block), ``tp_comm_overlap`` (its buffers are sized for the whole input), a delayed weight
 gradient, and a layer without both memory options on and the fused kernels (the blocks would
 save nothing). At a call where either option is off, no gradient is recorded, ``torch.compile``
-is tracing or ``x`` is not contiguous, the layer runs in one piece, as without the option.
+is tracing or ``x`` is not contiguous, the layer runs in one piece, as without the option. A
+layer built while the option was off keeps its config's conflicts and refuses blocks at the call
+if the option is turned on later.
 
 The option is off by default (1 block), as upstream behaves. Where it comes from, first match
 wins: :func:`set_fc2_chunks` (or ``patch_megatron_core(fc2_chunks=...)``), then the environment
