@@ -38,11 +38,14 @@ when this module is first imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Optional
 
 import torch
+
+from mcore_activations.fusions import in_place, output_recompute
 
 ENV_VAR = "MCORE_ACTIVATIONS_FC2_CHUNKS"
 OPTION = "fc2_chunks"
@@ -115,11 +118,6 @@ def set_fc2_chunks(chunks: int) -> int:
     return previous
 
 
-def configure_fc2_chunks(value: Optional[int]) -> Optional[int]:
-    """``set_fc2_chunks(value)`` unless ``value`` is None; the previous default, or None."""
-    return None if check_option(value) is None else set_fc2_chunks(value)
-
-
 # ------------------------------------------------------------------ configurations refused
 def config_conflicts(config, *, is_expert: bool = False) -> list[str]:
     """The settings of ``config`` under which row blocks would change or break the layer."""
@@ -143,16 +141,16 @@ def config_conflicts(config, *, is_expert: bool = False) -> list[str]:
 def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> tuple[str, ...]:
     """Refuses, at construction, a layer that cannot run on row blocks while the option is on.
 
-    Returns:
-        The config's conflicts (:func:`config_conflicts`) whatever the option is now: the layer
-        keeps them and passes them to :func:`activation_and_fc2`, which refuses blocks at a call
-        when the option was turned on after the layer was built.
-
     Args:
         config: The layer's config.
         owner: The layer's class name, for the message.
         activation: The layer's ``LayerActivation``.
         is_expert: The layer is a routed expert (its fc2 never scatters over the sequence).
+
+    Returns:
+        The config's conflicts (:func:`config_conflicts`) whatever the option is now: the layer
+        keeps them and passes them to :func:`activation_and_fc2`, which refuses blocks at a call
+        when the option was turned on after the layer was built.
 
     Raises:
         ValueError: the option is on (more than one block) and the config or the activation's
@@ -162,8 +160,6 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> t
     conflicts = tuple(config_conflicts(config, is_expert=is_expert))
     if _default <= 1:
         return conflicts
-    from mcore_activations.fusions import in_place, output_recompute
-
     found = list(conflicts)
     if not activation.recomputes_fused_output():
         # Only the fused kernels, saving fc1's output as it is, write their input gradient over
@@ -177,9 +173,9 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> t
                 f"the activation on the {activation.path!r} path (only the fused kernels, "
                 "bias_activation_fusion=True, write their input gradient over fc1's output)"
             )
-    if not in_place.resolve(getattr(activation, "in_place_backward", None)):
+    if not in_place.resolve(activation.in_place_backward):
         found.append(f"{in_place.OPTION} off ({in_place.ENV_VAR}=1 turns it on)")
-    if not output_recompute.resolve(getattr(activation, "recompute_output", None)):
+    if not output_recompute.resolve(activation.recompute_output):
         found.append(f"{output_recompute.OPTION} off ({output_recompute.ENV_VAR}=1 turns it on)")
     if found:
         raise ValueError(
@@ -213,8 +209,6 @@ class _RowBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: list[int]):
-        from mcore_activations.fusions import in_place
-
         ctx.x, ctx.counts = x, counts
         storage, stride = x.untyped_storage(), x.stride()
         blocks, offset = [], x.storage_offset()
@@ -249,8 +243,6 @@ class _RowBlocks(torch.autograd.Function):
 
 
 def _can_split(x: torch.Tensor, activation) -> bool:
-    from mcore_activations.fusions import in_place, output_recompute
-
     return (
         _default > 1
         and torch.is_grad_enabled()
@@ -264,7 +256,16 @@ def _can_split(x: torch.Tensor, activation) -> bool:
     )
 
 
-def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owner="MLP"):
+@contextlib.contextmanager
+def _range(nvtx: Optional[Callable[[str, str], None]], name: str):
+    if nvtx is not None:
+        nvtx("push", name)
+    yield
+    if nvtx is not None:
+        nvtx("pop", name)
+
+
+def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owner="MLP", nvtx=None):
     """fc2(activation(x)) with the option's row blocks, or in one piece when they cannot help.
 
     Args:
@@ -276,6 +277,9 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owne
         func: The layer's ``activation_func``, passed on to ``activation``.
         conflicts: What :func:`check_layer` returned for the layer.
         owner: The layer's class name, for the message.
+        nvtx: ``nvtx(what, name)``, ``what`` being "push" or "pop": called around each
+            activation call ("activation") and each fc2 call ("linear_fc2"), upstream's NVTX
+            ranges; None: no ranges.
 
     Returns:
         ``(output, output_bias)`` as fc2 returns them, the blocks' outputs concatenated.
@@ -291,12 +295,11 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owne
             "set_fc2_chunks(1)) while it runs, or change those settings."
         )
     if len(counts) == 1:
-        y = activation(x, bias, probs, func=func)
+        with _range(nvtx, "activation"):
+            y = activation(x, bias, probs, func=func)
         # With the output-recompute option fc2 saves a recipe of its input, not the input.
-        with activation.fc2_saves_recipe(y, x, bias, probs):
+        with _range(nvtx, "linear_fc2"), activation.fc2_saves_recipe(y, x, bias, probs):
             return fc2(y)
-    from mcore_activations.fusions import in_place
-
     # The blocks' in-place backwards write over x: x itself must be safe to write over (not a
     # leaf, not held by saved-tensor hooks, not claimed by another in-place activation).
     in_place.check_forward(x, cpu_offload_input=False)
@@ -304,8 +307,9 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owne
     prob_blocks = probs.split(counts) if probs is not None else [None] * len(counts)
     outputs, output_bias = [], None
     for block, block_probs in zip(blocks, prob_blocks):
-        y = activation(block, bias, block_probs, func=func)
-        with activation.fc2_saves_recipe(y, block, bias, block_probs):
+        with _range(nvtx, "activation"):
+            y = activation(block, bias, block_probs, func=func)
+        with _range(nvtx, "linear_fc2"), activation.fc2_saves_recipe(y, block, bias, block_probs):
             out, output_bias = fc2(y)
         del y  # freed now: the recipe stands in for it
         outputs.append(out)

@@ -98,7 +98,6 @@ def _make_mlp_forward(mlp_module):
         _nvtx(mlp_module, "push", "linear_fc1")
         fc1_output, bias = self.linear_fc1(hidden_states)
         _nvtx(mlp_module, "pop", "linear_fc1")
-        _nvtx(mlp_module, "push", "activation")
         activation = layer_activation(self)
         probs = paths.per_token_probs(per_token_scale, fc1_output)
         # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
@@ -112,8 +111,8 @@ def _make_mlp_forward(mlp_module):
             self.activation_func,
             conflicts=getattr(self, "_mcore_fc2_chunks_conflicts", ()),
             owner=type(self).__name__,
+            nvtx=lambda what, name: _nvtx(mlp_module, what, name),
         )
-        _nvtx(mlp_module, "pop", "activation")
         if per_token_scale is not None and output_bias is not None:
             output = paths.add_weighted_output_bias(output, output_bias, per_token_scale)
             output_bias = None

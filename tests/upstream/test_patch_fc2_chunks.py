@@ -45,13 +45,20 @@ def step(mlp):
     return grads, seen["fc2 calls"], seen["grad"] == seen["fc1 output"]
 
 
+import megatron.core.transformer.mlp as mlp_module
+
+ranges = []
+mlp_module.nvtx_range_push = lambda suffix: ranges.append("push " + suffix)
+mlp_module.nvtx_range_pop = lambda suffix: ranges.append("pop " + suffix)
 result = {}
 reference, calls, _ = step(build())  # upstream's own forward: the patch is not in force yet
 result["unpatched fc2 calls"] = calls
+result["unpatched ranges"], ranges[:] = list(ranges), []
 mp.patch_megatron_core(in_place_backward=True, recompute_output=True, fc2_chunks=3)
 result["set"] = fc2_chunks.fc2_chunks()
 got, calls, aliased = step(build())
 result["patched fc2 calls"], result["aliased"] = calls, aliased
+result["patched ranges"] = list(ranges)
 result["max error"] = max(
     ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(got, reference)
 )
@@ -78,6 +85,11 @@ def test_patch_keyword_runs_upstreams_mlp_on_row_blocks(target):
     assert result["set"] == 3 and result["after unpatch"] == 1
     assert (result["unpatched fc2 calls"], result["patched fc2 calls"]) == (1, 3)
     assert result["aliased"], "fc1's output gradient was copied, not written over its output"
+    # Upstream's NVTX ranges, in its order; the activation's and fc2's once per block.
+    fc1 = ["push linear_fc1", "pop linear_fc1"]
+    block = ["push activation", "pop activation", "push linear_fc2", "pop linear_fc2"]
+    assert result["unpatched ranges"] == fc1 + block
+    assert result["patched ranges"] == fc1 + 3 * block
     assert result["max error"] < 1e-5, result["max error"]
     assert "fc2_chunks=3" in result["refused"] and "recompute_output off" in result["refused"]
     assert "fc2_chunks must be a positive int" in result["type"]

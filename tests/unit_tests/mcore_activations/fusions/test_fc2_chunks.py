@@ -16,7 +16,7 @@ import torch
 from mcore_activations.fusions import fc2_chunks
 from mcore_activations.fusions.in_place import use_in_place_backward
 from mcore_activations.fusions.output_recompute import use_recompute_output
-from tests.unit_tests.activation_catalog import CONFIGS, NEEDS_MOE
+from tests.unit_tests.activation_catalog import NEEDS_MOE
 from tests.unit_tests.tolerances import assert_close_to_reference
 
 ACTIVATIONS = ["swiglu", "swiglu_clamp", "quick_geglu_gpt_oss", "situ_glu", "gelu"]
@@ -38,26 +38,17 @@ def build_mlp():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from tests.unit_tests.test_utilities import Utils
+    from tests.unit_tests.transformer.mlp_test_utils import FUSED, make_config
 
     Utils.initialize_model_parallel(1, 1)
     pg = ProcessGroupCollection.use_mpu_process_groups(["tp", "ep", "expt_tp"])
 
     def build(name="swiglu_clamp", dtype=torch.float32, **overrides):
-        fields = dict(
-            num_layers=1,
-            hidden_size=16,
-            num_attention_heads=4,
-            ffn_hidden_size=24,
-            add_bias_linear=True,
-            bias_activation_fusion=True,
-            params_dtype=dtype,
-        )
-        fields |= CONFIGS[name]
+        fields = dict(num_layers=1, hidden_size=16, ffn_hidden_size=24)
         if name in NEEDS_MOE:
             fields |= dict(num_moe_experts=2, moe_ffn_hidden_size=24)
-        config = TransformerConfig(**(fields | overrides))
+        config = make_config(name, dtype, FUSED, **(fields | overrides))
         torch.manual_seed(0)
         submodules = get_gpt_layer_local_submodules().mlp.submodules
         return MLP(
@@ -270,7 +261,6 @@ def test_setters_and_argument_checks():
     previous = fc2_chunks.set_fc2_chunks(3)
     try:
         assert fc2_chunks.fc2_chunks() == 3
-        assert fc2_chunks.configure_fc2_chunks(None) is None and fc2_chunks.fc2_chunks() == 3
     finally:
         fc2_chunks.set_fc2_chunks(previous)
     for value in (True, "2", 2.0):
@@ -303,8 +293,6 @@ def test_blocks_lower_the_backward_peak(build_mlp, monkeypatch):
             hidden_size=hidden,
             ffn_hidden_size=ffn,
             add_bias_linear=False,
-            bf16=True,
-            use_cpu_initialization=True,
         ).cuda()
         monkeypatch.setattr(fc2_chunks, "_default", n)
         x = torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_()
