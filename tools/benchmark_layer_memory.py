@@ -4,7 +4,7 @@ Usage (GPU, with megatron-core 0.19.2 and this package installed; TE and Liger-K
 
     python tools/benchmark_layer_memory.py [--json layers.json] [--layers dense experts]
 
-Two layers, each built with upstream megatron-core's own classes and parallel linears:
+Four layers, each built with upstream megatron-core's own classes and parallel linears:
 
 - ``dense``: ``MLP`` (fc1 -> SwiGLU -> fc2, no biases) with upstream's local parallel linears,
   input ``[seq, batch, hidden]``; the weight gradients go to ``.grad`` through autograd (each
@@ -14,7 +14,9 @@ Two layers, each built with upstream megatron-core's own classes and parallel li
   ``main_grad`` as under Megatron's DDP (no weight-gradient tensor is made), where TE imports;
 - ``experts``: routed experts with token weights (``TEGroupedMLP`` where Transformer Engine
   imports, else ``SequentialMLP``), input ``[tokens, hidden]`` split evenly over the experts,
-  one router probability per token.
+  one router probability per token; the weight gradients through autograd;
+- ``experts_te``: the same ``TEGroupedMLP`` with ``gradient_accumulation_fusion``, the weight
+  gradients accumulated into fp32 ``main_grad`` as under Megatron's DDP, where TE imports.
 
 Candidates, each in a process of its own (nothing of one, not even the allocator's cache or a
 patch, reaches the next):
@@ -25,10 +27,9 @@ patch, reaches the next):
   backward writes its input gradient over fc1's output);
 - ``patched_recompute`` / ``patched_inplace_recompute``: patched, with
   ``MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT=1`` (fc2 saves a recipe of its input, recomputed in
-  fc2's backward), without and with the in-place backward; dense only (upstream's
-  ``TEGroupedMLP`` keeps its own forward under the patch);
+  fc2's backward), without and with the in-place backward;
 - ``patched_chunked``: patched, with both memory options and ``MCORE_ACTIVATIONS_FC2_CHUNKS``
-  set to ``--fc2-chunks`` (the activation and fc2 run on row blocks of fc1's output); dense only;
+  set to ``--fc2-chunks`` (the activation and fc2 run on row blocks of fc1's output);
 - ``te_fused_mlp``: upstream's ``TEFusedMLP`` (Transformer Engine's op fuser), dense only, where TE
   imports;
 - ``liger`` / ``liger_inplace``: Liger-Kernel's Megatron SwiGLU (``apply_liger_kernel_to_megatron(
@@ -42,7 +43,8 @@ gradients, the input and the output gradient): ``torch.cuda.max_memory_allocated
 backward (allocated after the forward, output included), which a model holds once per layer
 until the backward reaches it. The activations' memory is the difference between candidates. It
 also reports a checksum of the output and the input gradient, so that a candidate computing
-something else stands out. One JSON holds every row; a markdown table goes to stdout.
+something else stands out (and of the weight gradients, zeroed before that step). One JSON
+holds every row; a markdown table goes to stdout.
 
 ``--dry-run`` runs the same code on tiny shapes (one step, any device; on CPU no peak memory):
 the CPU test tier runs it to keep the tool working, without judging its numbers.
@@ -73,15 +75,8 @@ CANDIDATES = (
     "liger",
     "liger_inplace",
 )
-LAYERS = ("dense", "dense_te", "experts")
-DENSE_ONLY = {
-    "te_fused_mlp",
-    "liger",
-    "liger_inplace",
-    "patched_recompute",
-    "patched_inplace_recompute",
-    "patched_chunked",
-}
+LAYERS = ("dense", "dense_te", "experts", "experts_te")
+DENSE_ONLY = {"te_fused_mlp", "liger", "liger_inplace"}
 NOT_DENSE_TE = {"te_fused_mlp"}  # upstream's TEFusedMLP is a layer of its own (the dense rows)
 IN_PLACE_ENV = "MCORE_ACTIVATIONS_IN_PLACE_BACKWARD"
 RECOMPUTE_ENV = "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT"
@@ -138,9 +133,9 @@ def _config(layer: str, shape: dict, dtype, device: str, clamp):
         params_dtype=dtype,
         bf16=str(dtype) == "torch.bfloat16",
         use_cpu_initialization=device == "cpu",
-        gradient_accumulation_fusion=layer == "dense_te",
+        gradient_accumulation_fusion=layer.endswith("_te"),
     )
-    if layer == "experts":
+    if layer.startswith("experts"):
         fields |= dict(
             num_moe_experts=shape["experts"],
             moe_ffn_hidden_size=shape["moe_ffn"],
@@ -196,7 +191,7 @@ def _prepare(candidate: str, layer: str, device: str):
         return (
             "megatron-core is not importable here; pass --python with the interpreter that has it"
         )
-    needs_te = candidate == "te_fused_mlp" or layer == "dense_te"
+    needs_te = candidate == "te_fused_mlp" or layer.endswith("_te")
     if needs_te and not (device == "cuda" and _have("transformer_engine")):
         return "Transformer Engine is not importable here"
     if candidate.startswith("liger") and not (device == "cuda" and _have("liger_kernel")):
@@ -239,7 +234,7 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    if layer != "experts":
+    if not layer.startswith("experts"):
         x = torch.randn(shape["seq"], shape["batch"], shape["hidden"], generator=gen)
     else:
         x = torch.randn(shape["tokens"], shape["hidden"], generator=gen)
@@ -247,13 +242,13 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
     grad = torch.randn(x.shape, generator=gen).to(device, dtype)
     probs = None
     counts = None
-    if layer == "experts":
+    if layer.startswith("experts"):
         probs = torch.rand(shape["tokens"], generator=gen).to(device)
         share, rest = divmod(shape["tokens"], shape["experts"])
         counts = torch.tensor([share + (i < rest) for i in range(shape["experts"])])
 
     def forward():
-        out, _ = module(x, counts, probs) if layer == "experts" else module(x)
+        out, _ = module(x, counts, probs) if counts is not None else module(x)
         return out
 
     def step():
@@ -267,10 +262,18 @@ def _step_fn(layer: str, module, shape: dict, dtype, device: str):
     return forward, step, reset, x, grad
 
 
-def _checksums(out, x) -> dict:
+def _weight_grads(module) -> list:
+    grads = [getattr(p, "main_grad", None) for p in module.parameters()]
+    grads += [p.grad for p in module.parameters()]
+    return [g for g in grads if g is not None]
+
+
+def _checksums(out, x, module) -> dict:
+    wgrad = sum(float(g.float().square().sum()) for g in _weight_grads(module)) ** 0.5
     return {
         "out_sum": float(out.detach().float().sum()),
         "dx_norm": float(x.grad.float().norm()) if x.grad is not None else None,
+        "wgrad_norm": wgrad,
     }
 
 
@@ -297,6 +300,9 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
         reset()
         step()
     # Parameter gradients stay allocated: the peak is the step's activations and temporaries.
+    # Zeroed in place, so that the checksum is this step's gradient.
+    for g in _weight_grads(module):
+        g.zero_()
     row = {"status": "ok", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     reset()
     if device == "cuda":
@@ -312,7 +318,7 @@ def run_child(candidate: str, layer: str, shape: dict, args) -> dict:
     else:
         out = step()
         row["peak_mib"] = row["held_mib"] = None
-    row |= _checksums(out, x)
+    row |= _checksums(out, x, module)
     del out
     times = []
     for _ in range(args.iters):
@@ -451,7 +457,7 @@ def main(argv=None):
     for layer in args.layers:
         for candidate in args.candidates:
             row = {"candidate": candidate, "layer": layer}
-            if layer == "experts" and candidate in DENSE_ONLY:
+            if layer.startswith("experts") and candidate in DENSE_ONLY:
                 rows.append(row | _skip("dense only (it does not cover routed experts)"))
             elif layer == "dense_te" and candidate in NOT_DENSE_TE:
                 rows.append(row | _skip("a layer of its own (see the dense rows)"))

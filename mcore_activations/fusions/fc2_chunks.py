@@ -10,8 +10,10 @@ block, so the backward goes block by block (fc2's backward for a
 block, then the activation's, which writes the block's input gradient over the block of ``x``):
 one block's ``y`` and ``dy`` exist at a time instead of the whole. The blocks are disjoint parts
 of ``x``'s memory, so the input gradient of ``x`` is ``x``'s own buffer once every block has
-written its part, and is handed to fc1 without a copy. docs/performance.md ("Low-memory
-backward") has the measured trade.
+written its part, and is handed to fc1 without a copy. Routed experts (``TEGroupedMLP``) split
+the same way: their rows are sorted by expert, and each block's grouped fc2 gets the block's
+share of every expert's rows (an expert cut by a block boundary runs in two GEMMs, one with no
+row of a block runs none). docs/performance.md ("Low-memory backward") has the measured trade.
 
 What changes for the caller: fc2 is called once per block (its hooks run once per block; a
 tensor-parallel fc2 reduces each block's output), the outputs are concatenated, and the weight
@@ -138,14 +140,19 @@ def config_conflicts(config, *, is_expert: bool = False) -> list[str]:
     return found
 
 
-def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> tuple[str, ...]:
+def check_layer(
+    config, owner: str, activation, *, is_expert: bool = False, layer_conflicts=()
+) -> tuple[str, ...]:
     """Refuses, at construction, a layer that cannot run on row blocks while the option is on.
 
     Args:
         config: The layer's config.
         owner: The layer's class name, for the message.
-        activation: The layer's ``LayerActivation``.
+        activation: The layer's ``LayerActivation``; None for a layer whose forward does not
+            call one (``layer_conflicts`` then says why it cannot run on blocks).
         is_expert: The layer is a routed expert (its fc2 never scatters over the sequence).
+        layer_conflicts: What else of the layer stops it from running on row blocks, each a
+            setting and the reason, as :func:`config_conflicts` words them.
 
     Returns:
         The config's conflicts (:func:`config_conflicts`) whatever the option is now: the layer
@@ -157,11 +164,13 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> t
             path conflicts with it, or a memory option it needs is off; the message names them
             and what to change.
     """
-    conflicts = tuple(config_conflicts(config, is_expert=is_expert))
+    conflicts = tuple(config_conflicts(config, is_expert=is_expert)) + tuple(layer_conflicts)
     if _default <= 1:
         return conflicts
     found = list(conflicts)
-    if not activation.recomputes_fused_output():
+    in_place_on = in_place.resolve(getattr(activation, "in_place_backward", None))
+    recompute_on = output_recompute.resolve(getattr(activation, "recompute_output", None))
+    if activation is not None and not activation.recomputes_fused_output():
         # Only the fused kernels, saving fc1's output as it is, write their input gradient over
         # it block by block.
         if activation.fp8_input_store:
@@ -173,9 +182,9 @@ def check_layer(config, owner: str, activation, *, is_expert: bool = False) -> t
                 f"the activation on the {activation.path!r} path (only the fused kernels, "
                 "bias_activation_fusion=True, write their input gradient over fc1's output)"
             )
-    if not in_place.resolve(activation.in_place_backward):
+    if not in_place_on:
         found.append(f"{in_place.OPTION} off ({in_place.ENV_VAR}=1 turns it on)")
-    if not output_recompute.resolve(activation.recompute_output):
+    if not recompute_on:
         found.append(f"{output_recompute.OPTION} off ({output_recompute.ENV_VAR}=1 turns it on)")
     if found:
         raise ValueError(
@@ -242,6 +251,30 @@ class _RowBlocks(torch.autograd.Function):
         return torch.cat(parts), None
 
 
+def expert_splits(tokens_per_expert: list[int], counts: list[int]) -> list[list[int]]:
+    """Each block's share of every expert's rows, for a grouped fc2 called once per block.
+
+    Rows are sorted by expert (``tokens_per_expert[e]`` rows of expert ``e`` after those of the
+    experts before it); block ``b`` holds ``counts[b]`` rows after the blocks before it. An
+    expert whose rows straddle a block boundary gets a part in each of those blocks, and an
+    expert with no row in a block gets 0 there (a grouped GEMM of zero rows adds nothing to its
+    weight gradient), so each block's list sums to its row count and has one entry per expert.
+    """
+    ends, total = [], 0
+    for tokens in tokens_per_expert:
+        total += tokens
+        ends.append(total)
+    out, start = [], 0
+    for rows in counts:
+        stop, begin, share = start + rows, 0, []
+        for end in ends:
+            share.append(max(0, min(end, stop) - max(begin, start)))
+            begin = end
+        out.append(share)
+        start = stop
+    return out
+
+
 def _can_split(x: torch.Tensor, activation) -> bool:
     return (
         _default > 1
@@ -265,7 +298,18 @@ def _range(nvtx: Optional[Callable[[str, str], None]], name: str):
         nvtx("pop", name)
 
 
-def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owner="MLP", nvtx=None):
+def activation_and_fc2(
+    activation,
+    fc2,
+    x,
+    bias,
+    probs,
+    func,
+    conflicts=(),
+    owner="MLP",
+    nvtx=None,
+    tokens_per_expert=None,
+):
     """fc2(activation(x)) with the option's row blocks, or in one piece when they cannot help.
 
     Args:
@@ -280,6 +324,9 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owne
         nvtx: ``nvtx(what, name)``, ``what`` being "push" or "pop": called around each
             activation call ("activation") and each fc2 call ("linear_fc2"), upstream's NVTX
             ranges; None: no ranges.
+        tokens_per_expert: For routed experts' grouped fc2, the rows of each expert in ``x``
+            (sorted by expert); fc2 is then called ``fc2(y, splits)`` with each block's share
+            of them (:func:`expert_splits`). None: a dense fc2, called ``fc2(y)``.
 
     Returns:
         ``(output, output_bias)`` as fc2 returns them, the blocks' outputs concatenated.
@@ -294,23 +341,27 @@ def activation_and_fc2(activation, fc2, x, bias, probs, func, conflicts=(), owne
             f"cannot run on row blocks: {'; '.join(conflicts)}. Set {OPTION} to 1 (or "
             "set_fc2_chunks(1)) while it runs, or change those settings."
         )
+    if tokens_per_expert is None:
+        fc2_args = [()] * len(counts)
+    else:
+        fc2_args = [(split,) for split in expert_splits(list(tokens_per_expert), counts)]
     if len(counts) == 1:
         with _range(nvtx, "activation"):
             y = activation(x, bias, probs, func=func)
         # With the output-recompute option fc2 saves a recipe of its input, not the input.
         with _range(nvtx, "linear_fc2"), activation.fc2_saves_recipe(y, x, bias, probs):
-            return fc2(y)
+            return fc2(y, *fc2_args[0])
     # The blocks' in-place backwards write over x: x itself must be safe to write over (not a
     # leaf, not held by saved-tensor hooks, not claimed by another in-place activation).
     in_place.check_forward(x, cpu_offload_input=False)
     blocks = _RowBlocks.apply(x, counts)
     prob_blocks = probs.split(counts) if probs is not None else [None] * len(counts)
     outputs, output_bias = [], None
-    for block, block_probs in zip(blocks, prob_blocks):
+    for block, block_probs, args in zip(blocks, prob_blocks, fc2_args):
         with _range(nvtx, "activation"):
             y = activation(block, bias, block_probs, func=func)
         with _range(nvtx, "linear_fc2"), activation.fc2_saves_recipe(y, block, bias, block_probs):
-            out, output_bias = fc2(y)
+            out, output_bias = fc2(y, *args)
         del y  # freed now: the recipe stands in for it
         outputs.append(out)
     return torch.cat(outputs), output_bias

@@ -5,6 +5,13 @@ would compute wrongly: the op-fuser path builds one Transformer Engine op from a
 fused-bias path fuses only SwiGLU and quick-GEGLU. Where upstream's fused-bias branch drops the
 SwiGLU clamp (``Capabilities.grouped_fused_swiglu_drops_clamp``), the layer's forward hands its
 spec to that call instead.
+
+``TEGroupedMLP.forward`` is wrapped too: on the fused-bias branch, with the output-recompute or
+the fc2-chunks option on at the call, the layer runs this package's forward (fc1, the fused
+activation and fc2, as upstream's branch computes them) so that fc2 saves a recipe of its input
+and runs on row blocks; everything else is upstream's forward. Settings that forward does not
+handle (FP8 and FP4 padding, TE's grouped tensors, fine-grained offloading, the ``moe_act``
+recompute, NCCL-EP buffers) keep upstream's forward, and the fc2-chunks option refuses them.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from mcore_activations import activation_path as paths
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec
-from mcore_activations.fusions import in_place
+from mcore_activations.fusions import fc2_chunks, in_place, output_recompute
 from mcore_activations.fusions.kernel_plan import KernelPlan
 from mcore_activations.upstream_fingerprints import Capabilities
 from mcore_activations.upstream_patch.patcher import Patcher, layer_spec, refuse, wrap_init
@@ -97,7 +105,8 @@ def _check_grouped_mlp(upstream: Upstream):
         if getattr(layer, "_with_fused_impl", False):
             path = f"{owner}(use_transformer_engine_op_fuser=True)"
             _check_grouped_ops_choice(upstream.capabilities, spec, path)
-        elif (
+            return  # the op fuser's chain runs fc2 once, whatever the fc2-chunks option says
+        if (
             config.bias_activation_fusion
             and k is None
             and not isinstance(layer.activation_func, torch.nn.Module)
@@ -106,13 +115,107 @@ def _check_grouped_mlp(upstream: Upstream):
             in_place.check_layer_config(config, owner)
             # What the fused call of _make_grouped_weighted_swiglu needs, derived once.
             layer._mcore_kernel_plan = KernelPlan(spec)
+            layer._mcore_activation = paths.LayerActivation(
+                spec,
+                paths.FUSED_KERNEL_PATH,
+                layer.activation_func,
+                fp8_input_store=bool(config.activation_func_fp8_input_store),
+                offload_config=config,
+            )
+            kept = _upstream_forward_settings(layer)
+            layer._mcore_upstream_forward_settings = kept
+            layer._mcore_fc2_chunks_conflicts = fc2_chunks.check_layer(
+                config, owner, layer._mcore_activation, is_expert=True, layer_conflicts=kept
+            )
+        else:
+            path = "a TE activation module" if config.use_te_activation_func else "unfused"
+            if k is not None:
+                path += f" (moe_mlp_glu_interleave_size={k})"
+            unfused = [
+                f"upstream's {path} activation (only its fused-bias branch, "
+                "bias_activation_fusion=True, runs this package's forward)"
+            ]
+            fc2_chunks.check_layer(config, owner, None, is_expert=True, layer_conflicts=unfused)
 
     return after
 
 
-def _wrap_grouped_forward(original: Callable) -> Callable:
+def _upstream_forward_settings(layer) -> tuple[str, ...]:
+    """The settings of a fused-bias ``TEGroupedMLP`` that only upstream's forward handles."""
+    config = layer.config
+    found = []
+    if config.fp8 or config.fp4:
+        found.append("FP8 / FP4 (upstream's forward pads each expert's rows)")
+    if getattr(config, "moe_use_grouped_tensor", False):
+        found.append("moe_use_grouped_tensor=True (TE's grouped tensors take the whole input)")
+    for attribute in ("offload_expert_fc1", "offload_moe_act"):
+        if getattr(layer, attribute, False):
+            found.append(
+                f"fine_grained_activation_offloading of {attribute[len('offload_') :]!r} "
+                "(upstream's offload managers own fc1's output)"
+            )
+    if getattr(layer, "activation_recompute", False):
+        found.append("'moe_act' in recompute_modules (upstream's checkpoint of the activation)")
+    return tuple(found)
+
+
+def _grouped_activation(layer) -> paths.LayerActivation:
+    activation = layer._mcore_activation
+    if activation.spec is not layer.activation_spec:
+        # activation_spec was assigned after construction; the layer computes what it names.
+        activation = layer._mcore_activation = activation.with_spec(layer.activation_spec)
+    return activation
+
+
+def _runs_own_forward(layer, args, kwargs) -> bool:
+    """Whether this call of a patched ``TEGroupedMLP`` runs :func:`_low_memory_forward`."""
+    activation = getattr(layer, "_mcore_activation", None)
+    if activation is None or getattr(layer, "_mcore_upstream_forward_settings", ()):
+        return False
+    buffers = list(args[3:]) + [kwargs.get("output_buffer"), kwargs.get("grad_input_buffer")]
+    if any(buffer is not None for buffer in buffers):
+        return False  # NCCL-EP's zero-copy buffers: upstream's forward says what they allow
+    return fc2_chunks.fc2_chunks() > 1 or output_recompute.resolve(activation.recompute_output)
+
+
+def _low_memory_forward(layer, hidden_states, tokens_per_expert, probs):
+    """Upstream's fused-bias branch of ``TEGroupedMLP.forward`` (no padding, offloading or
+    recompute, which :func:`_upstream_forward_settings` leaves to upstream), with fc2 saving a
+    recipe of its input and running on row blocks (``fusions.fc2_chunks``)."""
+    config = layer.config
+    if isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = tokens_per_expert.tolist()
+    splits = list(tokens_per_expert)
+    probs = probs.unsqueeze(-1)
+    if config.moe_apply_probs_on_input:
+        assert config.moe_router_topk == 1, (
+            "`moe_apply_probs_on_input` only works with `moe_router_topk`=1."
+        )
+        # The probabilities scale the input instead; the activation's weights become ones.
+        hidden_states = (probs * hidden_states).to(hidden_states.dtype)
+        probs = torch.ones_like(probs)
+    fc1_output, bias = layer.linear_fc1(hidden_states, splits)
+    output, output_bias = fc2_chunks.activation_and_fc2(
+        _grouped_activation(layer),
+        layer.linear_fc2,
+        fc1_output,
+        bias,
+        probs,
+        layer.activation_func,
+        conflicts=layer._mcore_fc2_chunks_conflicts,
+        owner=type(layer).__name__,
+        tokens_per_expert=splits,
+    )
+    return layer._apply_bias(output, output_bias, splits, probs), None
+
+
+def _wrap_grouped_forward(original: Callable, hands_spec_over: bool) -> Callable:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        if len(args) >= 3 and _runs_own_forward(self, args, kwargs):
+            return _low_memory_forward(self, *args[:3])
+        if not hands_spec_over:
+            return original(self, *args, **kwargs)
         token = RUNNING_GROUPED_MLP.set(self)
         try:
             return original(self, *args, **kwargs)
@@ -162,14 +265,14 @@ def patch_grouped_experts(patcher: Patcher) -> None:
         "wrapped",
         "refuses activations its fused paths would compute wrongly",
     )
-    if not patcher.capabilities.grouped_fused_swiglu_drops_clamp:
+    drops_clamp = patcher.capabilities.grouped_fused_swiglu_drops_clamp
+    patcher.set(grouped, "forward", _wrap_grouped_forward(grouped.forward, drops_clamp))
+    why = "runs fc2 on a recipe and row blocks when the memory options ask"
+    if drops_clamp:
+        why = f"hands the layer's spec to its fused SwiGLU call (which drops the clamp); {why}"
+    patcher.record(f"{EXPERTS_MODULE}:TEGroupedMLP.forward", "wrapped", why)
+    if not drops_clamp:
         return
-    patcher.set(grouped, "forward", _wrap_grouped_forward(grouped.forward))
-    patcher.record(
-        f"{EXPERTS_MODULE}:TEGroupedMLP.forward",
-        "wrapped",
-        "hands the layer's spec to its fused SwiGLU call (which drops the clamp)",
-    )
     patcher.set(
         experts,
         "weighted_bias_swiglu_impl",

@@ -93,3 +93,116 @@ def test_patch_keyword_runs_upstreams_mlp_on_row_blocks(target):
     assert result["max error"] < 1e-5, result["max error"]
     assert "fc2_chunks=3" in result["refused"] and "recompute_output off" in result["refused"]
     assert "fc2_chunks must be a positive int" in result["type"]
+
+
+GROUPED_SCRIPT = (
+    LOCAL_MLP_PRELUDE
+    + """
+from megatron.core.transformer.moe import experts
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from mcore_activations.fusions import fc2_chunks
+
+fc2_chunks.MIN_ROWS_PER_CHUNK = 1  # the test's 12 rows make 3 blocks
+TOKENS = [5, 0, 4, 3]  # sorted by expert; one expert without a token
+
+
+class Grouped(torch.nn.Module):
+    # Upstream's grouped linears need Transformer Engine; this one computes the same on the CPU:
+    # expert i's weight (and bias, unless skip_bias_add) on its m_splits[i] rows.
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert, tp_comm_buffer_name=None, pg_collection=None, name=None):
+        super().__init__()
+        self.skip_bias_add = skip_bias_add
+        self.weight = torch.nn.Parameter(torch.randn(num_gemms, output_size, input_size) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(num_gemms, output_size) * 0.5)
+
+    def forward(self, x, m_splits):
+        parts = [
+            F.linear(rows, w, None if self.skip_bias_add else b)
+            for rows, w, b in zip(torch.split(x, list(m_splits)), self.weight, self.bias)
+        ]
+        return torch.cat(parts), (list(self.bias) if self.skip_bias_add else None)
+
+
+def build(**overrides):
+    config = TransformerConfig(**({
+        "num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 24, "num_attention_heads": 4,
+        "num_moe_experts": 4, "moe_ffn_hidden_size": 24, "add_bias_linear": True,
+        "gated_linear_unit": True, "activation_func": F.silu, "bias_activation_fusion": True,
+        "activation_func_clamp_value": 1.5, "use_cpu_initialization": True,
+    } | overrides))
+    torch.manual_seed(0)
+    submodules = experts.GroupedMLPSubmodules(linear_fc1=Grouped, linear_fc2=Grouped)
+    return experts.TEGroupedMLP(4, config, submodules, pg_collection=get_default_pg_collection())
+
+
+def step(layer):
+    seen = {"splits": []}
+    def keep(module, args, output):
+        seen["fc1 output"] = output[0].untyped_storage().data_ptr()
+        output[0].register_hook(lambda g: seen.update(grad=g.untyped_storage().data_ptr()))
+    layer.linear_fc1.register_forward_hook(keep)
+    layer.linear_fc2.register_forward_hook(lambda m, a, o: seen["splits"].append(list(a[1])))
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(12, 16, generator=gen) * 3).requires_grad_()
+    probs = torch.rand(12, generator=gen).requires_grad_()
+    out, _ = layer(x, torch.tensor(TOKENS), probs)
+    out.square().sum().backward()
+    grads = [out.detach(), x.grad, probs.grad] + [p.grad for p in layer.parameters()]
+    return grads, seen["splits"], seen["grad"] == seen["fc1 output"]
+
+
+def error(got, reference):
+    return max(
+        ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+        for g, r in zip(got, reference)
+    )
+
+
+calls = []
+original = fc2_chunks.activation_and_fc2
+fc2_chunks.activation_and_fc2 = lambda *a, **k: calls.append(1) or original(*a, **k)
+result = {}
+# Upstream's forward, patched (0.19.2's fused branch would drop the clamp unpatched): the
+# memory options are off.
+mp.patch_megatron_core()
+reference, result["reference splits"], _ = step(build())
+result["reference own forward"], calls[:] = len(calls), []
+mp.patch_megatron_core(in_place_backward=True, recompute_output=True, fc2_chunks=3)
+got, result["patched splits"], result["aliased"] = step(build())
+result["max error"] = error(got, reference)
+mp.patch_megatron_core(fc2_chunks=1)
+calls[:] = []
+got, result["recompute splits"], _ = step(build())
+result["recompute own forward"] = len(calls)
+result["recompute error"] = error(got, reference)
+mp.patch_megatron_core(fc2_chunks=3)
+try:
+    build(bias_activation_fusion=False)
+    result["refused"] = None
+except ValueError as err:
+    result["refused"] = str(err)
+mp.unpatch_megatron_core()
+print(json.dumps(result))
+"""
+)
+
+
+def test_patch_keyword_runs_upstreams_grouped_experts_on_row_blocks(target):
+    """Upstream's TEGroupedMLP, patched with both memory options and fc2_chunks=3: fc2 runs once
+    per block with the block's share of every expert's rows (an expert cut by a boundary in two
+    blocks, an empty expert with 0), the output and every gradient match the unpatched layer's,
+    and fc1 gets its output's own buffer back. The recompute alone runs fc2 once. The reference
+    is upstream's forward under the patch with the memory options off. A layer on
+    upstream's unfused activation is refused when built, naming it."""
+    result = run_json(GROUPED_SCRIPT, target)
+    assert result["reference splits"] == [[5, 0, 4, 3]]
+    assert result["patched splits"] == [[4, 0, 0, 0], [1, 0, 3, 0], [0, 0, 1, 3]]
+    assert result["recompute splits"] == [[5, 0, 4, 3]]
+    # Without a memory option upstream's forward runs; with one, the package's (fc2 on a recipe).
+    assert (result["reference own forward"], result["recompute own forward"]) == (0, 1)
+    assert result["aliased"], "fc1's output gradient was copied, not written over its output"
+    assert result["max error"] < 1e-5, result["max error"]
+    assert result["recompute error"] < 1e-5, result["recompute error"]
+    assert "TEGroupedMLP: fc2_chunks=3" in result["refused"]
+    assert "unfused activation" in result["refused"]

@@ -30,6 +30,7 @@ import torch
 from mcore_activations import te_import
 from mcore_activations.activation_path import LayerActivation, select_layer_activation
 from mcore_activations.activation_spec import ActivationKind, ActivationSpec, deinterleave_glu
+from mcore_activations.fusions import fc2_chunks
 from mcore_activations.te_import import TE_GROUPED_OPS_MIN_VERSION
 from mcore_activations.te_lowering import lower_activation_to_te_op
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, get_cuda_rng_tracker
@@ -271,6 +272,8 @@ class TEGroupedMLP(MegatronModule):
             configuration its op sequence cannot run.
         UnsupportedActivationError: The selected unfused activation path cannot compute the
             configured activation.
+        ValueError: The fc2-chunks option is on (``mcore_activations.fusions.fc2_chunks``) and
+            the config cannot run fc2 on row blocks.
     """
 
     # Upstream also exposes the layout helper on the class.
@@ -375,6 +378,14 @@ class TEGroupedMLP(MegatronModule):
 
         self._fused_ops: Optional[tuple] = None  # a 1-tuple: never a submodule
         self.use_fused_impl = bool(config.use_transformer_engine_op_fuser)
+        # The op fuser's chain runs fc2 once, whatever the fc2-chunks option says.
+        self._fc2_chunks_conflicts = (
+            ()
+            if self.use_fused_impl
+            else fc2_chunks.check_layer(
+                config, type(self).__name__, self.layer_activation, is_expert=True
+            )
+        )
         if self.use_fused_impl:
             reason = self._fused_impl_unsupported_reason()
             assert reason is None, (
@@ -430,11 +441,19 @@ class TEGroupedMLP(MegatronModule):
             return self._forward_with_checkpointed_activation(
                 activation, fc1_output, fc1_bias, probs, split_sizes
             )
-        intermediate = activation(fc1_output, fc1_bias, probs, func=self.activation_func)
-        # With the output-recompute option (or 'moe_act') fc2 saves a recipe of its input.
-        with activation.fc2_saves_recipe(intermediate, fc1_output, fc1_bias, probs):
-            output, fc2_bias = self.linear_fc2(intermediate, split_sizes)
-        del intermediate
+        # The activation and fc2, in row blocks with the fc2-chunks option (fusions.fc2_chunks);
+        # with the output-recompute option (or 'moe_act') fc2 saves a recipe of its input.
+        output, fc2_bias = fc2_chunks.activation_and_fc2(
+            activation,
+            self.linear_fc2,
+            fc1_output,
+            fc1_bias,
+            probs,
+            self.activation_func,
+            conflicts=self._fc2_chunks_conflicts,
+            owner=type(self).__name__,
+            tokens_per_expert=split_sizes,
+        )
         return _apply_bias(output, fc2_bias, split_sizes, probs), None
 
     def _forward_with_checkpointed_activation(

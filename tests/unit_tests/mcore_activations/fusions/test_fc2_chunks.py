@@ -242,6 +242,89 @@ def test_the_config_conflicts_name_each_setting():
     assert len(fc2_chunks.config_conflicts(Config(), is_expert=True)) == 2
 
 
+# ------------------------------------------------------------------------------ routed experts
+# Rows sorted by expert: an expert with no token, and three blocks of 4 rows that cut experts.
+TOKENS_PER_EXPERT = [5, 0, 4, 3]
+
+
+@pytest.fixture
+def build_grouped():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from tests.unit_tests.test_utilities import Utils
+    from tests.unit_tests.transformer.mlp_test_utils import FUSED, make_config
+    from tests.unit_tests.transformer.moe.test_grouped_mlp import LocalGroupedLinear
+
+    Utils.initialize_model_parallel(1, 1)
+    pg = ProcessGroupCollection.use_mpu_process_groups(["tp", "ep", "expt_tp"])
+    experts = len(TOKENS_PER_EXPERT)
+
+    def build(name="swiglu_clamp", dtype=torch.float32, **overrides):
+        fields = dict(num_layers=1, hidden_size=16, ffn_hidden_size=24, add_bias_linear=True)
+        fields |= dict(num_moe_experts=experts, moe_ffn_hidden_size=24)
+        config = make_config(name, dtype, FUSED, **(fields | overrides))
+        torch.manual_seed(0)
+        linear = GroupedMLPSubmodules(linear_fc1=LocalGroupedLinear, linear_fc2=LocalGroupedLinear)
+        layer = TEGroupedMLP(experts, config, linear, pg_collection=pg)
+        with torch.no_grad():  # non-zero biases, so that each block's share of them matters
+            for p in layer.parameters():
+                if p.dim() == 1:
+                    p.copy_(torch.randn(p.shape) * 0.5)
+        return layer
+
+    yield build
+    Utils.destroy_model_parallel()
+
+
+def _grouped_step(layer, hidden, probs):
+    layer.zero_grad()
+    h, q = hidden.clone().requires_grad_(), probs.clone().requires_grad_()
+    out, _ = layer(h, torch.tensor(TOKENS_PER_EXPERT), q)
+    out.square().sum().backward()
+    return [out.detach(), h.grad, q.grad] + [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["swiglu_clamp", "quick_geglu_gpt_oss"])
+def test_grouped_experts_blocks_give_the_one_block_layer(name, dtype, n, build_grouped, chunks):
+    layer = build_grouped(name, dtype)
+    gen = torch.Generator().manual_seed(1)
+    rows = sum(TOKENS_PER_EXPERT)
+    hidden = (torch.randn(rows, 16, generator=gen) * 3).to(dtype)
+    probs = torch.rand(rows, generator=gen)
+    reference = _grouped_step(layer.double(), hidden.double(), probs.double())
+    layer.to(dtype)
+    chunks(n)
+    splits = []
+    layer.linear_fc2.register_forward_hook(lambda m, args, out: splits.append(list(args[1])))
+    with _Options():
+        got = _grouped_step(layer, hidden, probs.to(dtype))
+    assert splits == fc2_chunks.expert_splits(TOKENS_PER_EXPERT, fc2_chunks.row_counts(rows, n))
+    assert len(splits) == n
+    for i, (g, r) in enumerate(zip(got, reference)):
+        assert_close_to_reference(g, r, dtype, f"{name} tensor {i}")
+
+
+def test_grouped_experts_refuse_blocks_with_a_memory_option_off(build_grouped, chunks):
+    chunks(2)
+    with use_in_place_backward(True), use_recompute_output(False):
+        with pytest.raises(ValueError, match="TEGroupedMLP: fc2_chunks=2.*recompute_output off"):
+            build_grouped()
+
+
+def test_expert_splits():
+    # Block b gets each expert's rows that fall inside its own rows; every list has one entry
+    # per expert and sums to the block's rows.
+    assert fc2_chunks.expert_splits([5, 0, 4, 3], [4, 4, 4]) == [
+        [4, 0, 0, 0],
+        [1, 0, 3, 0],
+        [0, 0, 1, 3],
+    ]
+    assert fc2_chunks.expert_splits([3, 3], [6]) == [[3, 3]]
+    assert fc2_chunks.expert_splits([0, 6, 0], [3, 3]) == [[0, 3, 0], [0, 3, 0]]
+
+
 # ------------------------------------------------------------------------------ the option
 @pytest.mark.parametrize(
     "raw, expected", [(None, 1), ("", 1), (" 0 ", 1), ("1", 1), ("4", 4), (" 16", 16)]
@@ -307,3 +390,52 @@ def test_blocks_lower_the_backward_peak(build_mlp, monkeypatch):
             peaks[n] = torch.cuda.max_memory_allocated() - before
     output_bytes = seq * ffn * 2
     assert peaks[4] <= peaks[1] - output_bytes // 2, peaks
+
+
+@pytest.mark.gpu
+def test_grouped_experts_on_te_grouped_linears_accumulate_the_same_main_grad(chunks):
+    """Transformer Engine's grouped GEMMs with blocks that give some experts no row, the weight
+    gradients fused into fp32 ``main_grad``: the output, the input gradient and every
+    ``main_grad`` match the one-block layer's."""
+    from megatron.core.extensions.te_linears import (
+        TEColumnParallelGroupedLinear,
+        TERowParallelGroupedLinear,
+    )
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from tests.unit_tests.test_utilities import Utils
+    from tests.unit_tests.transformer.mlp_test_utils import FUSED, make_config
+
+    tokens = [700, 0, 300, 1048]  # three blocks of 683 rows: experts cut, one never present
+    Utils.initialize_model_parallel(1, 1)
+    try:
+        pg = ProcessGroupCollection.use_mpu_process_groups(["tp", "ep", "expt_tp"])
+        fields = dict(num_layers=1, hidden_size=256, ffn_hidden_size=512, add_bias_linear=False)
+        fields |= dict(num_moe_experts=len(tokens), moe_ffn_hidden_size=512)
+        fields |= dict(gradient_accumulation_fusion=True, use_cpu_initialization=True)
+        config = make_config("swiglu_clamp", torch.bfloat16, FUSED, **fields)
+        linears = GroupedMLPSubmodules(
+            linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear
+        )
+        torch.manual_seed(0)
+        layer = TEGroupedMLP(len(tokens), config, linears, pg_collection=pg).cuda()
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device="cuda")
+        gen = torch.Generator().manual_seed(1)
+        hidden = (torch.randn(sum(tokens), 256, generator=gen) * 3).cuda().bfloat16()
+        probs = torch.rand(sum(tokens), generator=gen).cuda()
+        results = {}
+        for n in (1, 3):
+            chunks(n)
+            for p in layer.parameters():
+                p.main_grad.zero_()
+            h = hidden.clone().requires_grad_()
+            with _Options():
+                out, _ = layer(h, torch.tensor(tokens), probs)
+                out.float().square().sum().backward()
+            results[n] = [out.detach(), h.grad] + [p.main_grad.clone() for p in layer.parameters()]
+        for i, (g, r) in enumerate(zip(results[3], results[1])):
+            assert_close_to_reference(g, r.double(), torch.bfloat16, f"tensor {i}")
+        assert results[1][-1].abs().max() > 0  # main_grad was written
+    finally:
+        Utils.destroy_model_parallel()
