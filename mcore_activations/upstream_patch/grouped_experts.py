@@ -20,6 +20,7 @@ import contextvars
 import functools
 import importlib
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -144,6 +145,8 @@ def _upstream_forward_settings(layer) -> tuple[str, ...]:
     """The settings of a fused-bias ``TEGroupedMLP`` that only upstream's forward handles."""
     config = layer.config
     found = []
+    if config.use_te_activation_func:
+        found.append("use_te_activation_func=True (upstream's forward applies activation_func)")
     if config.fp8 or config.fp4:
         found.append("FP8 / FP4 (upstream's forward pads each expert's rows)")
     if getattr(config, "moe_use_grouped_tensor", False):
@@ -167,15 +170,36 @@ def _grouped_activation(layer) -> paths.LayerActivation:
     return activation
 
 
-def _runs_own_forward(layer, args, kwargs) -> bool:
-    """Whether this call of a patched ``TEGroupedMLP`` runs :func:`_low_memory_forward`."""
+# Upstream's TEGroupedMLP.forward parameters, in order (0.19.2 and main).
+_FORWARD_PARAMETERS = (
+    "permuted_local_hidden_states",
+    "tokens_per_expert",
+    "permuted_probs",
+    "output_buffer",
+    "grad_input_buffer",
+)
+
+
+def _own_forward_arguments(layer, args, kwargs) -> Optional[tuple]:
+    """``(hidden_states, tokens_per_expert, probs)`` when this call of a patched
+    ``TEGroupedMLP`` runs :func:`_low_memory_forward`; None when upstream's forward runs it."""
     activation = getattr(layer, "_mcore_activation", None)
     if activation is None or getattr(layer, "_mcore_upstream_forward_settings", ()):
-        return False
-    buffers = list(args[3:]) + [kwargs.get("output_buffer"), kwargs.get("grad_input_buffer")]
-    if any(buffer is not None for buffer in buffers):
-        return False  # NCCL-EP's zero-copy buffers: upstream's forward says what they allow
-    return fc2_chunks.fc2_chunks() > 1 or output_recompute.resolve(activation.recompute_output)
+        return None
+    if not (fc2_chunks.fc2_chunks() > 1 or output_recompute.resolve(activation.recompute_output)):
+        return None
+    if len(args) > len(_FORWARD_PARAMETERS) or set(kwargs) - set(_FORWARD_PARAMETERS):
+        return None  # a call upstream's forward answers (with its own error)
+    bound = dict(zip(_FORWARD_PARAMETERS, args))
+    if set(bound) & set(kwargs):
+        return None
+    bound |= kwargs
+    if bound.get("output_buffer") is not None or bound.get("grad_input_buffer") is not None:
+        return None  # NCCL-EP's zero-copy buffers: upstream's forward says what they allow
+    try:
+        return tuple(bound[name] for name in _FORWARD_PARAMETERS[:3])
+    except KeyError:
+        return None
 
 
 def _low_memory_forward(layer, hidden_states, tokens_per_expert, probs):
@@ -212,8 +236,9 @@ def _low_memory_forward(layer, hidden_states, tokens_per_expert, probs):
 def _wrap_grouped_forward(original: Callable, hands_spec_over: bool) -> Callable:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if len(args) >= 3 and _runs_own_forward(self, args, kwargs):
-            return _low_memory_forward(self, *args[:3])
+        own = _own_forward_arguments(self, args, kwargs)
+        if own is not None:
+            return _low_memory_forward(self, *own)
         if not hands_spec_over:
             return original(self, *args, **kwargs)
         token = RUNNING_GROUPED_MLP.set(self)

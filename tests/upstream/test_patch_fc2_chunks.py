@@ -136,7 +136,7 @@ def build(**overrides):
     return experts.TEGroupedMLP(4, config, submodules, pg_collection=get_default_pg_collection())
 
 
-def step(layer):
+def step(layer, keywords=False):
     seen = {"splits": []}
     def keep(module, args, output):
         seen["fc1 output"] = output[0].untyped_storage().data_ptr()
@@ -146,7 +146,10 @@ def step(layer):
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(12, 16, generator=gen) * 3).requires_grad_()
     probs = torch.rand(12, generator=gen).requires_grad_()
-    out, _ = layer(x, torch.tensor(TOKENS), probs)
+    if keywords:
+        out, _ = layer(x, permuted_probs=probs, tokens_per_expert=torch.tensor(TOKENS))
+    else:
+        out, _ = layer(x, torch.tensor(TOKENS), probs)
     out.square().sum().backward()
     grads = [out.detach(), x.grad, probs.grad] + [p.grad for p in layer.parameters()]
     return grads, seen["splits"], seen["grad"] == seen["fc1 output"]
@@ -173,7 +176,7 @@ got, result["patched splits"], result["aliased"] = step(build())
 result["max error"] = error(got, reference)
 mp.patch_megatron_core(fc2_chunks=1)
 calls[:] = []
-got, result["recompute splits"], _ = step(build())
+got, result["recompute splits"], _ = step(build(), keywords=True)
 result["recompute own forward"] = len(calls)
 result["recompute error"] = error(got, reference)
 mp.patch_megatron_core(fc2_chunks=3)
@@ -194,7 +197,8 @@ def test_patch_keyword_runs_upstreams_grouped_experts_on_row_blocks(target):
     blocks, an empty expert with 0), the output and every gradient match the unpatched layer's,
     and fc1 gets its output's own buffer back. The recompute alone runs fc2 once. The reference
     is upstream's forward under the patch with the memory options off. A layer on
-    upstream's unfused activation is refused when built, naming it."""
+    upstream's unfused activation is refused when built, naming it. The recompute-only call
+    passes its arguments by keyword."""
     result = run_json(GROUPED_SCRIPT, target)
     assert result["reference splits"] == [[5, 0, 4, 3]]
     assert result["patched splits"] == [[4, 0, 0, 0], [1, 0, 3, 0], [0, 0, 1, 3]]

@@ -5,7 +5,11 @@ weights) gives the one-block layer's output and gradients to the dtype's toleran
 its output's own buffer back as the gradient (no concatenation); a node that saved fc1's output
 and runs after the blocks refuses to read it; a second backward is refused; what cannot run on
 blocks is refused at construction, naming the setting; the option's variable and setters are
-parsed strictly. Under ``-m gpu``: the blocks lower the layer's backward peak.
+parsed strictly. The fork's ``TEGroupedMLP`` (a CPU grouped linear) gives its one-block
+layer's values too, each block's fc2 called with the block's share of every expert's rows.
+Under ``-m gpu``: the blocks lower the layer's backward peak, and on Transformer Engine's
+grouped linears (experts without a row in a block, ``main_grad`` accumulation) the grouped layer
+gives its one-block values.
 """
 
 from __future__ import annotations
