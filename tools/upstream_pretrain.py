@@ -11,7 +11,10 @@ layer, one MoE layer, mock data) through upstream's unchanged ``pretrain_gpt.py`
 - ``unpatched-reference``: the reference run without the patch (upstream's own unfused path);
 - ``control``: the reference without the clamp. It sets the scale: the clamp moves the loss by
   ``|control - reference|``, and a run counts as equal to the reference only when it lies within
-  :data:`EQUAL_FRACTION` of that.
+  :data:`EQUAL_FRACTION` of that;
+- ``low-memory`` (asked for by ``--runs``, not run by default): ``patched`` with the memory
+  options of :data:`LOW_MEMORY_ENV` (the in-place backward, fc2's input recomputed, fc2 on two
+  row blocks).
 
 Every run's log is parsed for upstream's own numbers: the lm loss of each iteration, the
 "elapsed time per iteration" and ``forward-backward`` timer, and the memory report (max
@@ -149,7 +152,15 @@ CONFIGS = (
     ),
 )
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
-RUNS = ("reference", "patched", "unpatched", "unpatched-reference", "control")
+DEFAULT_RUNS = ("reference", "patched", "unpatched", "unpatched-reference", "control")
+RUNS = (*DEFAULT_RUNS, "low-memory")
+# The low-memory run's environment: every memory option of the package on.
+LOW_MEMORY_ENV = {
+    "MCORE_ACTIVATIONS_IN_PLACE_BACKWARD": "1",
+    "MCORE_ACTIVATIONS_RECOMPUTE_OUTPUT": "1",
+    "MCORE_ACTIVATIONS_FC2_CHUNKS": "2",
+}
+MEMORY_VARIABLES = tuple(LOW_MEMORY_ENV)
 
 
 @dataclasses.dataclass
@@ -195,7 +206,7 @@ def plan(configs: list[Config], kinds: list[str], target: str, size: str) -> lis
         if target not in config.targets:
             continue
         for kind in kinds:
-            patch = kind in ("reference", "patched", "control")
+            patch = kind in ("reference", "patched", "control", "low-memory")
             runs.append(Run(config.name, kind, patch, run_argv(config, kind, size=size)))
     return runs
 
@@ -233,9 +244,12 @@ def parse_log(text: str, run: Run) -> None:
 
 
 def _environment(run: Run, port: int, extra_path: list[str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "MCORE_ACTIVATIONS_PATCH"}
+    skip = ("MCORE_ACTIVATIONS_PATCH", *MEMORY_VARIABLES)
+    env = {k: v for k, v in os.environ.items() if k not in skip}
     if run.patch:
         env["MCORE_ACTIVATIONS_PATCH"] = "1"
+    if run.kind == "low-memory":
+        env.update(LOW_MEMORY_ENV)
     env["PYTHONPATH"] = os.pathsep.join([*extra_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(
         MASTER_ADDR="127.0.0.1",
@@ -332,7 +346,7 @@ def summarize(runs: list[Run]) -> dict:
                 effect = _max_diff(control.losses, reference.losses)
                 first = _first3(control.losses, reference.losses)
                 row["clamp effect"] = {"cell": f"{first:.4f} / {effect:.4f}", "max_diff": effect}
-            for kind in ("patched", "unpatched", "unpatched-reference"):
+            for kind in ("patched", "unpatched", "unpatched-reference", "low-memory"):
                 if (config, kind) in by:
                     row[kind] = verdict(by[(config, kind)], reference, control)
         table[config] = row
@@ -358,14 +372,15 @@ def format_table(target: str, table: dict) -> str:
     lines = [
         f"### {target}",
         "",
-        "| configuration | clamp effect | unpatched | patched | unpatched unfused |",
-        "|---|---|---|---|---|",
+        "| configuration | clamp effect | unpatched | patched | unpatched unfused "
+        "| patched, low-memory |",
+        "|---|---|---|---|---|---|",
     ]
+    kinds = ("clamp effect", "unpatched", "patched", "unpatched-reference", "low-memory")
     for config, row in table.items():
-        cells = [row.get(k, {}).get("cell", "-") for k in ("clamp effect", "unpatched", "patched")]
-        cells.append(row.get("unpatched-reference", {}).get("cell", "-"))
+        cells = [row.get(k, {}).get("cell", "-") for k in kinds]
         if "reference" in row:
-            cells = [row["reference"]["cell"], "-", "-", "-"]
+            cells = [row["reference"]["cell"], "-", "-", "-", "-"]
         lines.append(f"| {config} | " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -381,7 +396,7 @@ def main(argv=None) -> int:
     parser.add_argument("--path", action="append", default=[], help="prepended to PYTHONPATH")
     parser.add_argument("--out", type=Path, help="folder for logs and the JSON result")
     parser.add_argument("--configs", nargs="*", default=[c.name for c in CONFIGS])
-    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--runs", nargs="*", default=list(DEFAULT_RUNS), choices=RUNS)
     parser.add_argument("--size", default="tiny", choices=("tiny", "large"))
     parser.add_argument("--parallel", type=int, default=6, help="runs at a time (tiny size)")
     parser.add_argument("--repeat", type=int, default=1, help="large size: runs of each")
@@ -406,6 +421,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         for run in runs:
             patch = "MCORE_ACTIVATIONS_PATCH=1 " if run.patch else ""
+            if run.kind == "low-memory":
+                patch += "".join(f"{k}={v} " for k, v in LOW_MEMORY_ENV.items())
             print(f"# {run.name}\n{patch}python3 pretrain_gpt.py {' '.join(run.argv)}")
         return 0
     if args.entry is None or args.out is None:

@@ -108,6 +108,21 @@ def test_every_run_differs_from_its_reference_only_where_meant(target):
         assert set(reference) - set(patched) == set(config.unfused)
         assert runs[f"{config.name}.reference"].patch and runs[f"{config.name}.patched"].patch
         assert not runs[f"{config.name}.unpatched"].patch
+        assert runs[f"{config.name}.low-memory"].argv == patched
+        assert runs[f"{config.name}.low-memory"].patch
+
+
+def test_only_the_low_memory_run_gets_the_memory_options(monkeypatch):
+    # A variable of the caller's shell reaches no run: each run's options are its own.
+    monkeypatch.setenv("MCORE_ACTIVATIONS_FC2_CHUNKS", "4")
+    (low, patched) = tier.plan([tier.CONFIGS[0]], ["low-memory", "patched"], "release", "tiny")
+    low_env = tier._environment(low, 0, [])
+    patched_env = tier._environment(patched, 0, [])
+    assert {k: low_env[k] for k in tier.LOW_MEMORY_ENV} == tier.LOW_MEMORY_ENV
+    assert not set(tier.LOW_MEMORY_ENV) & set(patched_env)
+    assert low_env["MCORE_ACTIVATIONS_PATCH"] == patched_env["MCORE_ACTIVATIONS_PATCH"] == "1"
+    # Not a default run: the tier's table stays what it was unless asked.
+    assert "low-memory" not in tier.DEFAULT_RUNS and "low-memory" in tier.RUNS
 
 
 def test_a_run_that_hangs_is_recorded_and_does_not_stop_the_others(tmp_path, monkeypatch):
