@@ -135,8 +135,11 @@ def config_conflicts(config, *, is_expert: bool = False) -> list[str]:
             found.append(f"{field}={value!r} (each block would get its own quantization scales)")
     if getattr(config, "tp_comm_overlap", False):
         found.append("tp_comm_overlap=True (its buffers are sized for the whole input)")
-    if getattr(config, "delay_wgrad_compute", False):
-        found.append("delay_wgrad_compute=True (fc2 keeps one deferred weight gradient per call)")
+    for field in ("delay_wgrad_compute", "overlap_dispatch_backward_with_experts_wgrad"):
+        # Either defers the weight gradient: fc2 would queue one per block, and the layer's
+        # backward_dw computes one per layer.
+        if getattr(config, field, False):
+            found.append(f"{field}=True (fc2 keeps one deferred weight gradient per call)")
     return found
 
 
@@ -193,6 +196,20 @@ def check_layer(
             f"{OPTION} to 1 ({ENV_VAR}=1 or set_fc2_chunks(1)), or change those settings."
         )
     return conflicts
+
+
+def refuse_late(owner: str, conflicts) -> None:
+    """Raises for a layer built while the option was off whose ``conflicts`` (what
+    :func:`check_layer` returned) keep it from running on the blocks now asked for.
+
+    Raises:
+        ValueError: always, naming the conflicts and what to do.
+    """
+    raise ValueError(
+        f"{owner}: {OPTION}={_default} was set after this layer was built, and it cannot run "
+        f"on row blocks: {'; '.join(conflicts)}. Set {OPTION} to 1 (or set_fc2_chunks(1)) "
+        "while it runs, or change those settings."
+    )
 
 
 # ------------------------------------------------------------------ the blocks
@@ -262,7 +279,7 @@ def expert_splits(tokens_per_expert: list[int], counts: list[int]) -> list[list[
     """
     ends, total = [], 0
     for tokens in tokens_per_expert:
-        total += tokens
+        total = total + int(tokens)
         ends.append(total)
     out, start = [], 0
     for rows in counts:
@@ -273,6 +290,20 @@ def expert_splits(tokens_per_expert: list[int], counts: list[int]) -> list[list[
         out.append(share)
         start = stop
     return out
+
+
+def _row_split(tokens_per_expert, x: torch.Tensor) -> list[int]:
+    """``tokens_per_expert`` as ints, checked against ``x``'s rows (blocks would otherwise
+    hand rows to the wrong experts)."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        tokens_per_expert = tokens_per_expert.tolist()
+    split = [int(n) for n in tokens_per_expert]
+    if any(n < 0 for n in split) or sum(split) != x.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert {split} must be non-negative and sum to the {x.shape[0]} rows of "
+            "fc1's output (each expert's rows, sorted by expert)."
+        )
+    return split
 
 
 def _can_split(x: torch.Tensor, activation) -> bool:
@@ -336,21 +367,16 @@ def activation_and_fc2(
     """
     counts = row_counts(x.shape[0], _default) if _can_split(x, activation) else [x.shape[0]]
     if len(counts) > 1 and conflicts:
-        raise ValueError(
-            f"{owner}: {OPTION}={_default} was set after this layer was built, and its config "
-            f"cannot run on row blocks: {'; '.join(conflicts)}. Set {OPTION} to 1 (or "
-            "set_fc2_chunks(1)) while it runs, or change those settings."
-        )
-    if tokens_per_expert is None:
-        fc2_args = [()] * len(counts)
-    else:
-        fc2_args = [(split,) for split in expert_splits(list(tokens_per_expert), counts)]
+        refuse_late(owner, conflicts)
     if len(counts) == 1:
         with _range(nvtx, "activation"):
             y = activation(x, bias, probs, func=func)
         # With the output-recompute option fc2 saves a recipe of its input, not the input.
         with _range(nvtx, "linear_fc2"), activation.fc2_saves_recipe(y, x, bias, probs):
-            return fc2(y, *fc2_args[0])
+            return fc2(y) if tokens_per_expert is None else fc2(y, tokens_per_expert)
+    fc2_args = [()] * len(counts)
+    if tokens_per_expert is not None:
+        fc2_args = [(split,) for split in expert_splits(_row_split(tokens_per_expert, x), counts)]
     # The blocks' in-place backwards write over x: x itself must be safe to write over (not a
     # leaf, not held by saved-tensor hooks, not claimed by another in-place activation).
     in_place.check_forward(x, cpu_offload_input=False)

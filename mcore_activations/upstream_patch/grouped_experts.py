@@ -116,12 +116,13 @@ def _check_grouped_mlp(upstream: Upstream):
             in_place.check_layer_config(config, owner)
             # What the fused call of _make_grouped_weighted_swiglu needs, derived once.
             layer._mcore_kernel_plan = KernelPlan(spec)
+            # No offload_config: upstream's weighted fused calls never tag their saved input
+            # for TE's CPU offloading.
             layer._mcore_activation = paths.LayerActivation(
                 spec,
                 paths.FUSED_KERNEL_PATH,
                 layer.activation_func,
                 fp8_input_store=bool(config.activation_func_fp8_input_store),
-                offload_config=config,
             )
             kept = _upstream_forward_settings(layer)
             layer._mcore_upstream_forward_settings = kept
@@ -136,7 +137,9 @@ def _check_grouped_mlp(upstream: Upstream):
                 f"upstream's {path} activation (only its fused-bias branch, "
                 "bias_activation_fusion=True, runs this package's forward)"
             ]
-            fc2_chunks.check_layer(config, owner, None, is_expert=True, layer_conflicts=unfused)
+            layer._mcore_fc2_chunks_conflicts = fc2_chunks.check_layer(
+                config, owner, None, is_expert=True, layer_conflicts=unfused
+            )
 
     return after
 
@@ -184,6 +187,10 @@ def _own_forward_arguments(layer, args, kwargs) -> Optional[tuple]:
     """``(hidden_states, tokens_per_expert, probs)`` when this call of a patched
     ``TEGroupedMLP`` runs :func:`_low_memory_forward`; None when upstream's forward runs it."""
     activation = getattr(layer, "_mcore_activation", None)
+    conflicts = getattr(layer, "_mcore_fc2_chunks_conflicts", ())
+    if fc2_chunks.fc2_chunks() > 1 and conflicts and torch.is_grad_enabled():
+        # Upstream's forward would run in one piece without a word.
+        fc2_chunks.refuse_late(type(layer).__name__, conflicts)
     if activation is None or getattr(layer, "_mcore_upstream_forward_settings", ()):
         return None
     if not (fc2_chunks.fc2_chunks() > 1 or output_recompute.resolve(activation.recompute_output)):

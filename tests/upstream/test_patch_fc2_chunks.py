@@ -185,6 +185,17 @@ try:
     result["refused"] = None
 except ValueError as err:
     result["refused"] = str(err)
+# Built while the option was off: upstream's unfused forward would run in one piece, silently.
+mp.patch_megatron_core(fc2_chunks=1)
+late = build(bias_activation_fusion=False)
+mp.patch_megatron_core(fc2_chunks=3)
+with torch.no_grad():  # no backward: nothing to split, nothing refused
+    late(torch.randn(12, 16), torch.tensor(TOKENS), torch.rand(12))
+try:
+    step(late)
+    result["refused late"] = None
+except ValueError as err:
+    result["refused late"] = str(err)
 mp.unpatch_megatron_core()
 print(json.dumps(result))
 """
@@ -197,8 +208,9 @@ def test_patch_keyword_runs_upstreams_grouped_experts_on_row_blocks(target):
     blocks, an empty expert with 0), the output and every gradient match the unpatched layer's,
     and fc1 gets its output's own buffer back. The recompute alone runs fc2 once. The reference
     is upstream's forward under the patch with the memory options off. A layer on
-    upstream's unfused activation is refused when built, naming it. The recompute-only call
-    passes its arguments by keyword."""
+    upstream's unfused activation is refused when built, naming it, and at its first call with a
+    gradient when built before the option was on. The recompute-only call passes its arguments
+    by keyword."""
     result = run_json(GROUPED_SCRIPT, target)
     assert result["reference splits"] == [[5, 0, 4, 3]]
     assert result["patched splits"] == [[4, 0, 0, 0], [1, 0, 3, 0], [0, 0, 1, 3]]
@@ -210,3 +222,5 @@ def test_patch_keyword_runs_upstreams_grouped_experts_on_row_blocks(target):
     assert result["recompute error"] < 1e-5, result["recompute error"]
     assert "TEGroupedMLP: fc2_chunks=3" in result["refused"]
     assert "unfused activation" in result["refused"]
+    assert "set after this layer was built" in result["refused late"]
+    assert "unfused activation" in result["refused late"]

@@ -235,15 +235,17 @@ def test_the_config_conflicts_name_each_setting():
         fp4 = None
         tp_comm_overlap = True
         delay_wgrad_compute = False
+        overlap_dispatch_backward_with_experts_wgrad = True  # defers the experts' wgrad too
 
     found = fc2_chunks.config_conflicts(Config())
     assert [f.split(" ")[0] for f in found] == [
         "sequence_parallel=True",
         "fp8='hybrid'",
         "tp_comm_overlap=True",
+        "overlap_dispatch_backward_with_experts_wgrad=True",
     ]
     # A routed expert's fc2 never scatters its rows over the sequence.
-    assert len(fc2_chunks.config_conflicts(Config(), is_expert=True)) == 2
+    assert len(fc2_chunks.config_conflicts(Config(), is_expert=True)) == 3
 
 
 # ------------------------------------------------------------------------------ routed experts
@@ -327,6 +329,30 @@ def test_expert_splits():
     ]
     assert fc2_chunks.expert_splits([3, 3], [6]) == [[3, 3]]
     assert fc2_chunks.expert_splits([0, 6, 0], [3, 3]) == [[0, 3, 0], [0, 3, 0]]
+    # Counts as a tensor's elements: plain ints out, each expert's own end.
+    assert fc2_chunks.expert_splits(list(torch.tensor([600, 424])), [512, 512]) == [
+        [512, 0],
+        [88, 424],
+    ]
+
+
+@pytest.mark.parametrize(
+    "tokens", [[5, 0, 4, 4], [5, -1, 4, 4], torch.tensor([6, 0, 6, 1])], ids=["13", "-1", "tensor"]
+)
+def test_grouped_blocks_refuse_counts_that_do_not_match_the_rows(tokens, build_grouped, chunks):
+    layer = build_grouped()
+    chunks(3)
+    x = torch.randn(12, 48, requires_grad=True).clone()
+    with _Options(), pytest.raises(ValueError, match="must be non-negative and sum to the 12 rows"):
+        fc2_chunks.activation_and_fc2(
+            layer.layer_activation,
+            layer.linear_fc2,
+            x,
+            None,
+            torch.rand(12, 1),
+            layer.activation_func,
+            tokens_per_expert=tokens,
+        )
 
 
 # ------------------------------------------------------------------------------ the option
