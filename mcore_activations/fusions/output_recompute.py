@@ -133,7 +133,9 @@ class _Source:
         "recompute",
         "inputs",
         "versions",
-        "fresh",
+        "packed",
+        "held",
+        "left",
     )
 
     def __init__(self, output: torch.Tensor, recompute, inputs):
@@ -144,12 +146,19 @@ class _Source:
         self.recompute = recompute
         self.inputs = [t for t in inputs if t is not None]
         self.versions = [t._version for t in self.inputs]
-        self.fresh = None  # a weak reference to the last recomputation, while it lives
+        # fc2 may save several views of the output (a grouped GEMM saves one per expert), which
+        # one recomputation serves: it is held until every view saved has been unpacked (once
+        # per backward), and recomputed for the next backward of a retained graph. A weak
+        # reference would not do: views made in the backward (no grad mode) do not keep their
+        # base's Python object alive.
+        self.packed = 0  # how many views fc2 saved
+        self.held = None  # the recomputation, until ``left`` views are unpacked
+        self.left = 0
 
     def materialize(self) -> torch.Tensor:
-        fresh = self.fresh() if self.fresh is not None else None
-        if fresh is not None:
-            return fresh  # fc2 saved more than one view of the output
+        """The output's values, recomputed for the first view unpacked in a backward."""
+        if self.held is not None:
+            return self.held
         output = self.output()
         if output is not None and output._version != self.version:
             # What fc2 saved was changed in place after it was saved; keeping the output, torch
@@ -170,8 +179,14 @@ class _Source:
         fresh = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             self.recompute(fresh)
-        self.fresh = weakref.ref(fresh)
+        self.held, self.left = fresh, self.packed
         return fresh
+
+    def unpacked(self) -> None:
+        """One saved view was handed to the backward; the last one lets go of the held copy."""
+        self.left -= 1
+        if self.left <= 0:
+            self.held = None
 
 
 class _Saved:
@@ -237,6 +252,7 @@ class _RecipeHooks(torch.autograd.graph.saved_tensors_hooks):
                 and t.untyped_storage().data_ptr() == pointer
             ):
                 replaced[0] += 1
+                source.packed += 1
                 return _Saved(source, t)
             # Autograd checks the version of what it saves itself, not of what hooks hand back:
             # the check is kept here, so a tensor fc2 (or a hook of fc2's) saved and that is
@@ -276,7 +292,9 @@ def _unpack(saved):
         return saved.get()
     if not isinstance(saved, _Saved):
         return saved
-    fresh = saved.source.materialize()
+    source = saved.source
+    fresh = source.materialize()
+    source.unpacked()
     if saved.size == fresh.shape and saved.offset == 0 and saved.stride == fresh.stride():
         return fresh
     return fresh.as_strided(saved.size, saved.stride, saved.offset)

@@ -128,6 +128,53 @@ def test_views_the_consumer_saves_are_recomputed_as_views(consume):
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
 
 
+class _SavesSplits(torch.autograd.Function):
+    """A grouped GEMM's way of saving its input: one view per expert, all in one node."""
+
+    @staticmethod
+    def forward(ctx, y, w, splits):
+        ctx.save_for_backward(*torch.split(y, splits), w)
+        ctx.experts = len(splits)
+        return y @ w
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        y = torch.cat(saved[: ctx.experts])
+        return grad @ saved[-1].t(), y.t() @ grad, None
+
+
+@pytest.mark.parametrize("where", ["one node", "a node per view"])
+def test_views_saved_per_expert_share_one_recomputation(where):
+    """fc2 saving one view of its input per expert recomputes the input once per backward, not
+    once per view (a copy of the whole output each), and again for a retained graph's second
+    backward."""
+    x = torch.randn(12, 8, requires_grad=True)
+    w = torch.randn(8, 3, requires_grad=True)
+    calls = []
+
+    def recompute(target):
+        calls.append(1)
+        target.copy_(x.detach() * 2)
+
+    y = x * 2
+    hooks = output_recompute.recompute_when_saved(y, recompute, (x,))
+    with hooks:
+        if where == "one node":
+            out = _SavesSplits.apply(y, w, [5, 0, 4, 3])
+        else:
+            out = torch.cat([part @ w for part in torch.split(y, [5, 0, 4, 3])])
+    assert hooks.recipes >= 3
+    expected = (x.detach() * 2) @ w.detach()
+    del y
+    out.sum().backward(retain_graph=True)
+    assert len(calls) == 1
+    grad_w = w.grad.clone()
+    out.sum().backward()
+    assert len(calls) == 2 and torch.allclose(w.grad, 2 * grad_w)
+    assert torch.allclose(out, expected)
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["", "in place"])
 def test_the_backward_frees_what_the_recipe_read_without_the_cycle_collector(in_place):
     """After the backward nothing of the recipe is left: fc1's output, the bias and the token
