@@ -52,7 +52,7 @@ def activation_forward(
     probs=None,
     *,
     eager: bool = False,
-    in_place_backward: Optional[bool] = None,
+    in_place_backward: Optional[bool] = False,
 ) -> torch.Tensor:
     """Forward of ``spec`` on any-rank ``x``; ``probs`` has one value per row.
 
@@ -61,7 +61,10 @@ def activation_forward(
     otherwise straight through the forward op. ``eager=True`` runs the torch reference math
     instead (the eager twin of the compiled entry points; autograd differentiates it). The
     inputs are checked first (:func:`check_inputs`), as in every public entry point.
-    ``in_place_backward``: as in :func:`fused_activation` (None: the process default).
+    ``in_place_backward``: as in :func:`fused_activation`, but off by default, not the process
+    default: upstream's raw functions are plain differentiable functions whose backward leaves
+    their input alone, and callers rely on it (Megatron's JIT warmup runs ``bias_swiglu`` and
+    ``bias_gelu`` on leaf tensors that want a gradient, which an in-place backward refuses).
     """
     spec = constant_scalars(spec)
     check_inputs(spec, x, bias, probs)

@@ -77,3 +77,42 @@ def test_patch_keyword_turns_the_in_place_backward_on_for_upstreams_mlp(target):
         assert "cpu_offloading=True" in result["refused"], result["refused"]
         assert "in_place_backward must be True, False or None" in result["type"]
         assert result["after_unpatch"] is False, clamp
+
+
+WARMUP_SCRIPT = """
+import json, types, torch
+import megatron.training.initialize as init
+from mcore_activations import megatron_patch as mp
+
+result = {}
+for swiglu in (True, False):
+    mp.patch_megatron_core(in_place_backward=True)
+    args = types.SimpleNamespace(
+        bf16=False, fp16=False, ffn_hidden_size=16, tensor_model_parallel_size=1, seq_length=8,
+        context_parallel_size=1, micro_batch_size=2, swiglu=swiglu, sequence_parallel=False,
+        hidden_size=8,
+    )
+    init.get_args = lambda: args
+    real_rand = torch.rand
+    torch.rand = lambda *a, device=None, **k: real_rand(*a, **k)  # the warmup asks for CUDA
+    try:
+        init._warmup_jit_function()
+        result["swiglu" if swiglu else "gelu"] = "ran"
+    except Exception as err:
+        result["swiglu" if swiglu else "gelu"] = f"{type(err).__name__}: {err}"
+    finally:
+        torch.rand = real_rand
+    result["rebound"] = init.bias_swiglu.__module__
+    mp.unpatch_megatron_core()
+print(json.dumps(result))
+"""
+
+
+def test_megatrons_jit_warmup_runs_with_the_in_place_backward_on(target):
+    """megatron.training's JIT warmup, run before the first step, calls the raw bias_swiglu and
+    bias_gelu on leaf tensors that want a gradient. With the option on for the process (as
+    MCORE_ACTIVATIONS_IN_PLACE_BACKWARD=1 sets it in pretrain_gpt.py) they run: the raw functions
+    never write over their input. (On the CPU, the warmup's CUDA tensors are made on the host.)"""
+    result = run_json(WARMUP_SCRIPT, target)
+    assert result["rebound"] == "mcore_activations.fusions.fused_bias_swiglu"
+    assert result["swiglu"] == "ran" and result["gelu"] == "ran", result

@@ -244,6 +244,28 @@ def test_upstream_named_functions_follow_the_process_default():
     assert torch.equal(grads[0], grads[1])
 
 
+def test_raw_upstream_functions_never_write_over_their_input():
+    """Megatron's JIT warmup (megatron.training.initialize) runs upstream's raw bias_swiglu and
+    bias_gelu on leaf tensors that want a gradient, with the option on for the process: they
+    run, and their backward leaves the input alone."""
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu, clamped_swiglu
+
+    gen = torch.Generator().manual_seed(6)
+    with use_in_place_backward(True):
+        for input_grad in (False, True):  # the warmup's two passes
+            x = torch.rand(4, 2, 16, generator=gen).requires_grad_(input_grad)
+            b = torch.rand(16, generator=gen).requires_grad_()
+            kept = x.detach().clone()
+            for call in (lambda: bias_swiglu(x, b), lambda: bias_gelu(b, x)):
+                call().sum().backward()
+                assert torch.equal(x.detach(), kept)
+        y = torch.randn(5, 16, generator=gen).requires_grad_()
+        kept = y.detach().clone()
+        clamped_swiglu(y, 1.0).square().sum().backward()
+        assert torch.equal(y.detach(), kept) and y.grad is not None
+
+
 # ------------------------------------------------------------------------- handled cases
 def test_double_backward_runs_out_of_place():
     gen = torch.Generator().manual_seed(5)
