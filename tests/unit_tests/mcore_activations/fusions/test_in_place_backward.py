@@ -257,8 +257,8 @@ def test_raw_upstream_functions_never_write_over_their_input():
             x = torch.rand(4, 2, 16, generator=gen).requires_grad_(input_grad)
             b = torch.rand(16, generator=gen).requires_grad_()
             kept = x.detach().clone()
-            for call in (lambda: bias_swiglu(x, b), lambda: bias_gelu(b, x)):
-                call().sum().backward()
+            for out in (bias_swiglu(x, b), bias_gelu(b, x)):
+                out.sum().backward()
                 assert torch.equal(x.detach(), kept)
         y = torch.randn(5, 16, generator=gen).requires_grad_()
         kept = y.detach().clone()
